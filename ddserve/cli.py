@@ -1,0 +1,81 @@
+"""The `ddserve` command. Each subcommand's work lives in its own module; this file only parses."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _make_tiny(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-tiny",
+        help="write a small random checkpoint of this architecture (the embedded default model)",
+        description="Write a small HF-format DeepSeek-V3/Kimi-K2 checkpoint (config.json, safetensors, "
+        "tokenizer) with random weights, plus a matching tiny DFlash drafter under OUT/drafter. "
+        "Deterministic from --seed.",
+    )
+    p.add_argument("out", help="output directory (created)")
+    p.add_argument("--int4", action="store_true", help="store routed experts as compressed-tensors INT4")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.set_defaults(run="ddserve.model.tiny:main")
+
+
+def _generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text offline (no server), with or without DDTree",
+        description="Offline generation through the same engine the server uses.",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory (default: none)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--budget", type=int, default=16, help="DDTree node budget per step")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
+    p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.set_defaults(run="ddserve.engine.llm:main")
+
+
+def _serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API (Ray Serve)",
+        description="Start Ray (locally unless --address is given) and serve /v1/completions, "
+        "/v1/chat/completions, /v1/models, /health and /metrics. With no --model, serves the "
+        "embedded tiny model (tp=2 on CPU so the distributed path runs).",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: embedded tiny model)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: 2 on CPU, all GPUs)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-streams", type=int, default=10, help="concurrent streams per replica")
+    p.add_argument("--budget", type=int, default=16, help="DDTree node budget (per bucket: --budgets)")
+    p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--address", default=None, help="existing Ray cluster address (default: start one)")
+    p.set_defaults(run="ddserve.serve.main:main")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddserve",
+        description="Serve DeepSeek-V3-architecture MoE models with DDTree speculative decoding.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_make_tiny, _generate, _serve):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, func = args.run.split(":")
+    target = getattr(__import__(module, fromlist=[func]), func)
+    return int(target(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

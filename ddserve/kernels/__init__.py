@@ -1,0 +1,1 @@
+"""Kernels, each beside a plain-torch reference. Backend choice lives in `backend.py`."""
