@@ -1,0 +1,101 @@
+"""Routed-expert weights (bf16 or compressed-tensors INT4) and the plain-torch MoE reference.
+
+INT4 layout (compressed-tensors `pack-quantized`, symmetric, group 32), as Kimi K2 ships it:
+each q in [-8, 7] is stored as q + 8, eight per int32, least significant nibble first, and
+    w[r, c] = (((packed[r, c // 8] >> 4 * (c % 8)) & 0xF) - 8) * scale[r, c // 32]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PACK = 8  # int4 values per int32
+GROUP = 32  # columns per scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[..., C] ints in [-8, 7] -> [..., C / 8] int32, LSB-first nibbles of q + 8."""
+    if q.shape[-1] % PACK:
+        raise ValueError(f"last dim {q.shape[-1]} is not a multiple of {PACK}")
+    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise ValueError("int4 values must lie in [-8, 7]")
+    nib = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], -1, PACK)  # [..., C/8, 8]
+    shifts = torch.arange(PACK, dtype=torch.int64, device=q.device) * 4
+    words = (nib << shifts).sum(dim=-1)  # [..., C/8] in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., C / 8] int32 -> [..., C] int8 in [-8, 7]."""
+    shifts = torch.arange(PACK, dtype=torch.int32, device=packed.device) * 4
+    nib = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., C/8, 8]
+    return (nib - 8).to(torch.int8).flatten(-2)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """[..., R, C/8] packed, [..., R, C/32] scales -> [..., R, C] weights."""
+    q = unpack_int4(packed).to(dtype)  # [..., R, C]
+    return q * scale.to(dtype).repeat_interleave(GROUP, dim=-1)
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-32 quantization: [..., R, C] -> (packed [..., R, C/8], scale [..., R, C/32])."""
+    g = w.float().reshape(*w.shape[:-1], -1, GROUP)  # [..., R, C/32, 32]
+    scale = g.abs().amax(dim=-1).clamp_min(1e-8) / 7.0  # [..., R, C/32]
+    q = torch.round(g / scale.unsqueeze(-1)).clamp(-8, 7).flatten(-2)
+    return pack_int4(q), scale.to(w.dtype)
+
+
+@dataclass
+class ExpertWeights:
+    """All routed experts of one layer on one rank (I = this rank's share of the expert width).
+
+    Dense: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
+    INT4:  w13_packed [E, 2I, H/8] int32, w13_scale [E, 2I, H/32], w2_packed [E, H, I/8],
+           w2_scale [E, H, I/32].
+    """
+
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    w13_packed: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_packed: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def is_int4(self) -> bool:
+        return self.w13_packed is not None
+
+    @property
+    def num_experts(self) -> int:
+        return (self.w13_packed if self.is_int4 else self.w13).shape[0]
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
+        if self.is_int4:
+            return (
+                dequantize_int4(self.w13_packed[e], self.w13_scale[e], dtype),
+                dequantize_int4(self.w2_packed[e], self.w2_scale[e], dtype),
+            )
+        return self.w13[e].to(dtype), self.w2[e].to(dtype)
+
+
+def moe_ref(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k] float32, routed_scaling_factor already applied
+    weights: ExpertWeights,
+) -> torch.Tensor:  # [T, H] in x.dtype
+    """sum_j topk_weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over expert topk_ids[t, j]."""
+    compute = torch.float32
+    out = torch.zeros(x.shape, dtype=compute, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)  # tokens routed to e
+        w13, w2 = weights.expert(e, compute)
+        gate, up = (x[rows].to(compute) @ w13.t()).chunk(2, dim=-1)  # [n, I] each
+        y = (torch.nn.functional.silu(gate) * up) @ w2.t()  # [n, H]
+        out.index_add_(0, rows, y * topk_weights[rows, slot].unsqueeze(-1).to(compute))
+    return out.to(x.dtype)
