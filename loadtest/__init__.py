@@ -1,0 +1,1 @@
+"""HTTP load generator for OpenAI-compatible servers (`python -m loadtest --help`)."""

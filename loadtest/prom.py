@@ -1,0 +1,66 @@
+"""Server-side counters from the Prometheus text on `/metrics`, read before and after a run.
+
+The speculative-decoding figure is the mean accepted (committed) tokens per step over the run:
+delta `ddserve_committed_tokens_total` / delta `ddserve_steps_total`.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+STEPS = "ddserve_steps_total"
+COMMITTED = "ddserve_committed_tokens_total"
+COUNTERS = {
+    "steps": STEPS,
+    "committed_tokens": COMMITTED,
+    "generation_tokens": "ddserve_generation_tokens_total",
+    "prompt_tokens": "ddserve_prompt_tokens_total",
+    "requests": "ddserve_requests_total",
+}
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value, summed over all its label sets; comment lines are skipped."""
+    totals: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, rest = line.split("{", 1)[0], line[line.rindex("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """The parsed `/metrics` of the server, or None when it has none (or is unreachable)."""
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    return parse_prometheus(resp.text)
+
+
+def server_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Server counters' change over the run, and mean accepted tokens per step (or None)."""
+    if before is None or after is None:
+        return None
+    delta = {
+        key: after[name] - before.get(name, 0.0) for key, name in COUNTERS.items() if name in after
+    }
+    steps, committed = delta.get("steps"), delta.get("committed_tokens")
+    delta["accepted_tokens_per_step"] = (
+        committed / steps if steps and committed is not None else None
+    )
+    return delta
