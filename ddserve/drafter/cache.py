@@ -1,0 +1,96 @@
+"""Per-stream ring of the drafter's per-layer context keys/values.
+
+Each stream owns one row of a preallocated pool `k, v [L, max_streams, C, KVH, Dh]`. The context
+token at absolute position p lives at ring index p % C, so a row holds the last C committed tokens
+and writing never moves data. Keys are stored after k_norm and RoPE (at the token's own position),
+so they are written once and read every step. The block's own keys/values are never stored.
+Which ring entries are live, and their positions, follow from the stream's length alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class ContextCache:
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_streams: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        shape = (num_layers, max_streams, capacity, num_kv_heads, head_dim)
+        self.capacity = capacity
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, C, KVH, Dh]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, C, KVH, Dh]
+        self.lengths = torch.zeros(max_streams, dtype=torch.long, device=device)  # [S]
+        self._rows: dict[Hashable, int] = {}
+        self._host_len: dict[Hashable, int] = {}
+        self._free = list(range(max_streams - 1, -1, -1))
+
+    def add(self, sid: Hashable) -> None:
+        if sid in self._rows:
+            raise KeyError(f"drafter stream {sid!r} already exists")
+        if not self._free:
+            raise RuntimeError(f"drafter context cache is full ({len(self._rows)} streams)")
+        row = self._free.pop()
+        self._rows[sid], self._host_len[sid] = row, 0
+        self.lengths[row] = 0
+
+    def remove(self, sid: Hashable) -> None:
+        self._free.append(self._rows.pop(sid))
+        del self._host_len[sid]
+
+    def __contains__(self, sid: Hashable) -> bool:
+        return sid in self._rows
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._rows)
+
+    def length(self, sid: Hashable) -> int:
+        """Committed context tokens of the stream (all of them, not only those in the ring)."""
+        return self._host_len[sid]
+
+    def append(self, sid: Hashable, k: Tensor, v: Tensor, start: int) -> None:
+        """Store k, v [L, T, KVH, Dh] for positions start..start+T-1; the length becomes start+T.
+
+        `start` may exceed the current length only by tokens the caller dropped because they would
+        be overwritten anyway (a chunk longer than the ring)."""
+        t, n = k.shape[1], self._host_len[sid]
+        if start < n or (start > n and t != self.capacity):
+            raise ValueError(f"context append at {start} (len {t}) does not follow length {n}")
+        if t > self.capacity:
+            raise ValueError(
+                f"context append of {t} rows exceeds the ring capacity {self.capacity}"
+            )
+        row = self._rows[sid]
+        idx = torch.arange(start, start + t, device=k.device) % self.capacity  # [T]
+        self.k[:, row, idx] = k.to(self.k.dtype)
+        self.v[:, row, idx] = v.to(self.v.dtype)
+        self._host_len[sid] = start + t
+        self.lengths[row] = start + t
+
+    def rows(self, sids: Sequence[Hashable]) -> Tensor:
+        """Pool rows of `sids`, in order: [B] long on the cache's device."""
+        return torch.tensor([self._rows[s] for s in sids], dtype=torch.long, device=self.k.device)
+
+    def layer(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Context k, v of one layer for the given rows: [B, C, KVH, Dh] each."""
+        return self.k[layer].index_select(0, rows), self.v[layer].index_select(0, rows)
+
+    def positions(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Absolute position held at each ring index [B, C], and whether that entry is live [B, C].
+
+        Index i holds the latest position p < n with p % C == i: p = n-1 - ((n-1-i) mod C)."""
+        last = self.lengths.index_select(0, rows)[:, None] - 1  # [B, 1]
+        i = torch.arange(self.capacity, device=rows.device)[None, :]  # [1, C]
+        pos = last - torch.remainder(last - i, self.capacity)  # [B, C]
+        return pos, pos >= 0

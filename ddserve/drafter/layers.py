@@ -1,0 +1,96 @@
+"""Qwen3-style DFlash decoder layer: pre-RMSNorm, GQA with per-head q/k norm, RoPE, SwiGLU.
+
+The one DFlash twist: every layer also projects the shared *context* (the drafter's projection of
+the target's hidden states) with its own k_proj/v_proj (+ k_norm, + RoPE at the context tokens'
+positions) into extra keys/values. The context gets no input_layernorm and never passes through
+the layers; only the block does. The block's queries attend non-causally to [context; block].
+Parameter names match published DFlash checkpoints (`layers.N.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ddserve.drafter.config import SLIDING, DrafterConfig
+from ddserve.drafter.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [..., T, H] -> k (normed, rotated), v: [..., T, KVH, Dh]; for context and block."""
+        shape = (*x.shape[:-1], self.n_kv, self.head_dim)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)  # [..., T, KVH, Dh]
+        return k, self.v_proj(x).view(shape)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, visible: Tensor
+    ) -> Tensor:
+        """x [B, Q, H]; cos/sin [B, Q, Dh]; ctx_k/ctx_v [B, C, KVH, Dh]; visible [B, Q, C+Q]."""
+        b, q_len, _ = x.shape
+        q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)  # [B, Q, NH, Dh]
+        k_blk, v_blk = self.kv(x, cos, sin)  # [B, Q, KVH, Dh]
+        k = torch.cat((ctx_k, k_blk), dim=1).transpose(1, 2)  # [B, KVH, C+Q, Dh]
+        v = torch.cat((ctx_v, v_blk), dim=1).transpose(1, 2)  # [B, KVH, C+Q, Dh]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=visible[:, None], enable_gqa=True
+        )  # [B, NH, Q, Dh]; default scale is Dh^-0.5
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        self.sliding = cfg.layer_types[index] == SLIDING
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's extra keys/values for context rows ctx [T, H] (no input norm)."""
+        return self.self_attn.kv(ctx, cos, sin)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, visible: Tensor
+    ) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,84 @@
+"""Load a DFlash checkpoint directory (config.json + *.safetensors) for a given target.
+
+Accepts the layout published drafters use: unprefixed names (`fc.weight`, `layers.0.mlp...`) or
+the same under `model.`, in one file or shards. The drafter never has its own embedding/lm_head;
+if a checkpoint carries copies of the target's, they are skipped. Any other unknown, missing or
+misshapen tensor is an error that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from ddserve.drafter.config import DrafterConfig, DrafterMismatch
+from ddserve.drafter.model import DFlashDrafter, DFlashModel, TargetHooks
+
+if TYPE_CHECKING:
+    from ddserve.config import ModelConfig
+
+log = logging.getLogger(__name__)
+_SKIPPED = ("embed_tokens.weight", "lm_head.weight", "rotary_emb.inv_freq")
+
+
+def load_dflash_model(
+    path: str | Path,
+    target_cfg: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> DFlashModel:
+    """Read, validate against the target, and load the weights. Raises DrafterMismatch."""
+    path = Path(path)
+    cfg = DrafterConfig.from_hf(path)
+    cfg.validate(target_cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DrafterMismatch(f"no *.safetensors weights in drafter directory {path}")
+    with torch.device("meta"):
+        model = DFlashModel(cfg)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for raw_name in f.keys():
+                name = raw_name.removeprefix("model.")
+                if name.endswith(_SKIPPED) and name not in expected:
+                    continue
+                if name not in expected:
+                    raise DrafterMismatch(f"unexpected tensor {raw_name!r} in {file.name}")
+                t = f.get_tensor(raw_name)
+                if tuple(t.shape) != tuple(expected[name]):
+                    raise DrafterMismatch(
+                        f"drafter tensor {name} has shape {tuple(t.shape)}, config implies "
+                        f"{tuple(expected[name])}"
+                    )
+                tensors[name] = t.to(dtype)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise DrafterMismatch(f"drafter checkpoint {path} lacks tensors: {missing[:8]}")
+    model.load_state_dict(tensors, assign=True)
+    log.info(
+        "loaded DFlash drafter %s: %d layers, capture %s",
+        path,
+        cfg.num_hidden_layers,
+        cfg.target_layer_ids,
+    )
+    return model.to(device).eval()
+
+
+def load_drafter(
+    path: str | Path,
+    target_cfg: ModelConfig,
+    target: TargetHooks,
+    max_streams: int,
+    max_context: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> DFlashDrafter:
+    """A ready DFlashDrafter for `target` (whose `embed` / `lm_logits` it borrows)."""
+    model = load_dflash_model(path, target_cfg, dtype=dtype, device=device)
+    return DFlashDrafter(model, target, max_streams=max_streams, max_context=max_context)

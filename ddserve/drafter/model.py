@@ -1,0 +1,170 @@
+"""The DFlash block drafter (arXiv 2602.06036): one pass over [bonus, MASK x D] -> D logits rows.
+
+`DFlashModel` holds the weights and the pure forward; `DFlashDrafter` adds per-stream context
+bookkeeping and implements the engine's `Drafter` seam (docs/architecture.md).
+
+Context: for every committed token, the target's hidden states at `target_layer_ids` (outputs of
+those decoder layers), concatenated, go through `fc` (no bias) and `hidden_norm`, then through each
+layer's own k/v projections, once, into the per-stream ring (`ContextCache`). Positions: a stream
+with n committed tokens has its context at 0..n-1 and its block at n..n+D (the bonus is at n).
+Block queries see every block key and every live context key, except that a sliding layer hides
+context more than `sliding_window - 1` positions behind the query. The drafter has no embedding
+or lm_head: it uses the target's `embed` and `lm_logits` (after its own final `norm`).
+
+Tensor parallelism: the drafter is replicated on every rank. Weights are identical, its inputs
+(captured hidden states after the target's all-reduce, full embeddings, all-gathered logits) are
+identical, so every rank computes the same draft logits and builds the same tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ddserve.drafter.cache import ContextCache
+from ddserve.drafter.config import DrafterConfig
+from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
+from ddserve.drafter.rope import Rotary
+
+KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
+
+
+class TargetHooks(Protocol):
+    """What the drafter borrows from the target model (ddserve.model's DeepseekV3ForCausalLM)."""
+
+    def embed(self, ids: Tensor) -> Tensor: ...  # [N] -> [N, H]
+
+    def lm_logits(self, h: Tensor) -> Tensor: ...  # [N, H] -> [N, V] float32
+
+
+class DFlashModel(nn.Module):
+    """Weights and forward of a DFlash drafter; state_dict names match published checkpoints."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def context_kv(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [T, k*H] (target layers in target_layer_ids order), positions [T] ->
+        per-layer context k, v [L, T, KVH, Dh]."""
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(hidden.to(dtype)))  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, dtype)  # [T, Dh]
+        kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
+
+    def block(
+        self, x: Tensor, positions: Tensor, ctx_pos: Tensor, ctx_live: Tensor, ctx_kv: KVFn
+    ) -> Tensor:
+        """x [B, Q, H] block embeddings at positions [B, Q]; context entries at ctx_pos [B, C]
+        (live where ctx_live); ctx_kv(layer) gives that layer's context k, v. -> [B, Q, H]."""
+        b, q_len, _ = x.shape
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [B, Q, Dh]
+        block_vis = torch.ones(b, q_len, q_len, dtype=torch.bool, device=x.device)  # [B, Q, Q]
+        live = ctx_live[:, None, :].expand(b, q_len, ctx_live.shape[1])  # [B, Q, C]
+        full = torch.cat((live, block_vis), dim=-1)  # [B, Q, C+Q]
+        sliding = full
+        if self.cfg.sliding_window is not None:
+            near = positions[:, :, None] - ctx_pos[:, None, :] < self.cfg.sliding_window  # [B,Q,C]
+            sliding = torch.cat((live & near, block_vis), dim=-1)  # [B, Q, C+Q]
+        for i, layer in enumerate(self.layers):
+            k, v = ctx_kv(i)
+            x = layer(x, cos, sin, k, v, sliding if layer.sliding else full)
+        return self.norm(x)
+
+
+class DFlashDrafter:
+    """DFlash behind the engine's Drafter seam: add_stream / commit / draft / remove_stream.
+
+    `max_context` bounds the context of drafters with a full-attention layer; drafters whose every
+    layer slides keep only `sliding_window` entries per stream and ignore it."""
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        target: TargetHooks,
+        max_streams: int,
+        max_context: int | None = None,
+    ):
+        cfg = model.cfg
+        self.cfg, self.model, self.target = cfg, model.eval(), target
+        self.depth = cfg.depth
+        self.capture_layers = tuple(sorted(set(cfg.target_layer_ids)))
+        order = [self.capture_layers.index(i) for i in cfg.target_layer_ids]
+        self._order = None if order == list(range(len(order))) else order
+        capacity = cfg.context_window or max_context
+        if capacity is None:
+            raise ValueError("a drafter with full-attention layers needs max_context")
+        w = model.fc.weight
+        self.cache = ContextCache(
+            cfg.num_hidden_layers,
+            capacity,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            max_streams,
+            dtype=w.dtype,
+            device=w.device,
+        )
+
+    def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None:
+        self.cache.add(sid)
+        try:
+            self.commit(sid, prompt_ids, hidden)
+        except Exception:
+            self.cache.remove(sid)
+            raise
+
+    def remove_stream(self, sid: Hashable) -> None:
+        self.cache.remove(sid)
+
+    @torch.inference_mode()
+    def commit(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
+        """Append committed tokens' captured hidden states [T, len(capture_layers)*H]."""
+        t = len(token_ids)
+        if hidden is None or hidden.shape[0] != t:
+            got = None if hidden is None else tuple(hidden.shape)
+            raise ValueError(f"DFlash commit of {t} tokens needs their hidden states, got {got}")
+        n = self.cache.length(sid)
+        if self.cfg.context_window is None and n + t > self.cache.capacity:
+            raise ValueError(f"drafter context {n + t} exceeds max_context {self.cache.capacity}")
+        keep = min(t, self.cache.capacity)  # older rows would be overwritten within this chunk
+        hidden = self._reorder(hidden[t - keep :])  # [keep, k*H]
+        start = n + t - keep
+        pos = torch.arange(start, start + keep, device=self.cache.k.device)  # [keep]
+        k, v = self.model.context_kv(hidden.to(self.cache.k.device), pos)  # [L, keep, KVH, Dh]
+        self.cache.append(sid, k, v, start)
+
+    @torch.inference_mode()
+    def draft(self, sids: Sequence[Hashable], bonus: Tensor) -> Tensor:
+        """bonus [B] (each stream's last committed token) -> per-depth logits [B, D, V] float32."""
+        b, q_len, dev = len(sids), self.cfg.block_size, self.cache.k.device
+        rows = self.cache.rows(sids)  # [B]
+        ids = torch.full((b, q_len), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = bonus.to(dev)
+        x = self.target.embed(ids.reshape(-1)).reshape(b, q_len, -1)  # [B, Q, H]
+        x = x.to(self.model.fc.weight.dtype)
+        n = self.cache.lengths.index_select(0, rows)  # [B]
+        positions = n[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
+        ctx_pos, ctx_live = self.cache.positions(rows)  # [B, C]
+        h = self.model.block(x, positions, ctx_pos, ctx_live, lambda i: self.cache.layer(i, rows))
+        logits = self.target.lm_logits(h[:, 1:].reshape(b * self.depth, -1))  # [B*D, V]
+        return logits.float().reshape(b, self.depth, -1)
+
+    def _reorder(self, hidden: Tensor) -> Tensor:
+        """Captured layers come sorted and unique; fc expects target_layer_ids order."""
+        if self._order is None:
+            return hidden
+        t = hidden.shape[0]
+        blocks = hidden.reshape(t, len(self.capture_layers), -1)  # [T, n_cap, H]
+        return blocks[:, self._order].reshape(t, -1)  # [T, k*H]
