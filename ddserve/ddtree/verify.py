@@ -1,0 +1,72 @@
+"""Inputs of the target forward: token ids, positions and attention metadata for a batch of blocks.
+
+A block is one stream's new tokens in one forward: a prefill chunk (causal mask), one decode token,
+or a DDTree verify block (root + `budget` nodes, ancestor-or-self mask). Keys of a block are the
+stream's committed prefix slots plus the block's own freshly allocated slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddserve.ddtree.tree import DraftTree
+from ddserve.kernels.tree_attn import TreeAttnMeta
+
+
+def verify_inputs(
+    tree: DraftTree, root_tokens: torch.Tensor, prefix_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattened verify-block token ids and positions, [B * (N+1)] each.
+
+    Row 0 of each block is the root (bonus token, position prefix_len); node i sits at
+    prefix_len + depth(i).
+    """
+    b = root_tokens.shape[0]
+    ids = torch.cat([root_tokens[:, None], tree.tokens], dim=1)  # [B, N+1]
+    depth = torch.cat([tree.depths.new_zeros(b, 1), tree.depths], dim=1)  # [B, N+1]
+    positions = prefix_lens[:, None] + depth  # [B, N+1]
+    return ids.reshape(-1), positions.reshape(-1)
+
+
+def pad_slot_lists(slot_lists: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    """Host slot lists -> [B, max(len, 1)] int64 tensor, zero padded (padding is never read)."""
+    width = max(1, max((len(s) for s in slot_lists), default=0))
+    out = torch.zeros(len(slot_lists), width, dtype=torch.long)
+    for i, s in enumerate(slot_lists):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+def block_meta(
+    q_lens: list[int],
+    prefix_slots: list[list[int]],
+    block_slots: list[list[int]],
+    block_mask: torch.Tensor,
+    device: torch.device | str,
+) -> TreeAttnMeta:
+    """TreeAttnMeta for B blocks laid end to end.
+
+    q_lens[b] new tokens of block b, written at block_slots[b] (length q_lens[b]); the block sees
+    all of prefix_slots[b] plus the block tokens allowed by block_mask [B, Q_max, Q_max].
+    """
+    if not all(len(s) == q for s, q in zip(block_slots, q_lens, strict=True)):
+        raise ValueError("each block needs exactly q_len slots")
+    starts = [0]
+    for q in q_lens[:-1]:
+        starts.append(starts[-1] + q)
+    flat = [s for slots in block_slots for s in slots]
+    return TreeAttnMeta(
+        q_starts=torch.tensor(starts, dtype=torch.long, device=device),
+        q_lens=torch.tensor(q_lens, dtype=torch.long, device=device),
+        prefix_slots=pad_slot_lists(prefix_slots, device),
+        prefix_lens=torch.tensor([len(s) for s in prefix_slots], dtype=torch.long, device=device),
+        block_slots=torch.tensor(flat, dtype=torch.long, device=device),
+        block_mask=block_mask.to(device),
+    )
+
+
+def causal_masks(q_lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, Q_max, Q_max] causal block masks for prefill chunks of different lengths."""
+    q_max = max(q_lens)
+    tri = torch.ones(q_max, q_max, dtype=torch.bool, device=device).tril()
+    return tri.expand(len(q_lens), q_max, q_max).clone()

@@ -1,0 +1,66 @@
+"""Slot allocator and latent pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator
+
+
+def test_alloc_gives_distinct_slots_and_free_returns_them() -> None:
+    a = SlotAllocator(10)
+    x, y = a.alloc(4), a.alloc(6)
+    assert len(set(x + y)) == 10 and set(x + y) == set(range(10))
+    assert a.num_free == 0 and a.num_used == 10
+    a.free(x)
+    assert a.num_free == 4
+    assert sorted(a.alloc(4)) == sorted(x)
+
+
+def test_out_of_slots_allocates_nothing() -> None:
+    a = SlotAllocator(8)
+    held = a.alloc(5)
+    with pytest.raises(OutOfSlots):
+        a.alloc(4)
+    assert a.num_free == 3
+    assert len(set(a.alloc(3)) | set(held)) == 8
+
+
+def test_double_free_and_foreign_slots_are_rejected_without_side_effects() -> None:
+    a = SlotAllocator(6)
+    s = a.alloc(3)
+    a.free(s[:1])
+    with pytest.raises(ValueError):
+        a.free([s[1], s[0]])  # s[0] is already free
+    assert a.num_free == 4  # s[1] was not freed by the failed call
+    with pytest.raises(ValueError):
+        a.free([99])
+    with pytest.raises(ValueError):
+        a.free([s[1], s[1]])
+
+
+def test_random_alloc_free_never_hands_out_a_held_slot() -> None:
+    rng, a = random.Random(0), SlotAllocator(64)
+    held: list[list[int]] = []
+    for _ in range(500):
+        if held and rng.random() < 0.5:
+            a.free(held.pop(rng.randrange(len(held))))
+        else:
+            try:
+                held.append(a.alloc(rng.randint(0, 9)))
+            except OutOfSlots:
+                pass
+        flat = [s for h in held for s in h]
+        assert len(flat) == len(set(flat)) == a.num_used
+    for h in held:
+        a.free(h)
+    assert a.num_free == 64
+
+
+def test_latent_pool_shape() -> None:
+    c = LatentCache(3, 17, 576, dtype=torch.bfloat16)
+    assert c.pool.shape == (3, 17, 576) and c.pool.dtype == torch.bfloat16
+    assert c.num_slots == 17 and c.nbytes() == 3 * 17 * 576 * 2
