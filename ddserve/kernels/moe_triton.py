@@ -1,0 +1,246 @@
+"""W4A16 grouped MoE GEMM in Triton, on the compressed-tensors INT4 layout as shipped (no repack).
+
+Semantics are `moe_ref.moe_ref`'s. Two launches after a device-side grouping of (token, slot) pairs
+by expert (torch ops, no host sync):
+
+1. up:   h[p] = silu(x_t @ Wg_e^T) * (x_t @ Wu_e^T), gate and up rows of one column block share the
+   activation loads; h is written in bf16, already in the K order the second launch reads.
+2. down: out[t] += w_p * (h[p] @ W2_e^T), fp32 atomic adds into [T, H], then cast to x.dtype.
+
+No repack: the INT4 words are packed along K (the reduction dimension), eight nibbles per int32.
+Instead of unpacking a word into 8 adjacent columns (a register shuffle), each K block of
+BK = 8 * KW columns is split into 8 sub-blocks, sub-block i holding nibble i of the KW words;
+the activations are permuted to the same order once per call (x is small, the weights are not).
+The group-32 scale of nibble i of word j is scale[j // 4] for every i, so one scale tile serves
+all 8 sub-blocks. Dequantization uses the float magic-number trick (no int->float conversion).
+
+Each m-block holds up to BM pairs of one expert; BM is chosen from the expected pairs per expert,
+so in the small-batch regime an expert's weights are streamed once per launch (blocks of the same
+expert and column block are adjacent in launch order, so a second block hits L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ddserve.kernels.moe_ref import ExpertWeights
+
+_MAGIC = 0x4B000000  # fp32 bits of 2^23: (n | magic) as fp32 == 2^23 + n for 0 <= n < 2^23
+
+
+@triton.jit
+def _dequant(words, scale, i: tl.constexpr):
+    """Nibble i of each int32 word, times its scale: [BN, KW] int32 -> [BN, KW] bf16."""
+    v = ((words >> (4 * i)) & 0xF) | 0x4B000000
+    f = v.to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + 8: stored q + 8 -> q
+    return (f * scale.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _moe_up_kernel(
+    x_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, bexp_ptr,
+    num_pairs, num_experts, num_mblocks, K, N_half,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    KW: tl.constexpr, KW_OUT: tl.constexpr, BK: tl.constexpr, BK_OUT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_m = pid % num_mblocks
+    pid_n = pid // num_mblocks
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)  # [BM]
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    tok = pair // TOPK
+    n = pid_n * BN + tl.arange(0, BN)  # [BN] gate rows; up rows are n + N_half
+    n_ok = n < N_half
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        if INT4:
+            wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
+            wm = n_ok[:, None] & (wi < K // 8)[None, :]
+            wg = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+            wu = tl.load(w_base + (n + N_half)[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+            sg = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+            su = tl.load(
+                s_base + (n + N_half)[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0
+            )
+            for i in tl.static_range(8):
+                xk = kb + i * KW + tl.arange(0, KW)  # permuted activation columns
+                xi = tl.load(
+                    x_ptr + tok[None, :] * stride_x + xk[:, None], mask=valid[None, :], other=0.0
+                )  # [KW, BM]
+                acc_g += tl.dot(_dequant(wg, sg, i), xi)
+                acc_u += tl.dot(_dequant(wu, su, i), xi)
+        else:
+            k = kb + tl.arange(0, BK)
+            k_ok = k < K
+            wm = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
+            wu = tl.load(
+                w_base + (n + N_half)[:, None] * stride_wn + k[None, :], mask=wm, other=0.0
+            )
+            xk = tl.load(
+                x_ptr + tok[None, :] * stride_x + k[:, None],
+                mask=valid[None, :] & k_ok[:, None],
+                other=0.0,
+            )  # [BK, BM]
+            acc_g += tl.dot(wg.to(tl.bfloat16), xk)
+            acc_u += tl.dot(wu.to(tl.bfloat16), xk)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, [BN, BM] fp32
+    if INT4:  # the down launch reads h in its own permuted K order
+        col = (n // BK_OUT) * BK_OUT + (n % 8) * KW_OUT + (n % BK_OUT) // 8
+    else:
+        col = n
+    tl.store(h_ptr + rows[None, :] * stride_h + col[:, None], h.to(tl.bfloat16), mask=n_ok[:, None])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, tw_ptr,
+    num_pairs, num_experts, num_mblocks, K, N,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    KW: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_m = pid % num_mblocks
+    pid_n = pid // num_mblocks
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        if INT4:
+            wi = kb // 8 + tl.arange(0, KW)
+            wm = n_ok[:, None] & (wi < K // 8)[None, :]
+            w = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+            s = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+            for i in tl.static_range(8):
+                hk = kb + i * KW + tl.arange(0, KW)
+                hi = tl.load(h_ptr + rows[None, :] * stride_h + hk[:, None])  # [KW, BM]
+                acc += tl.dot(_dequant(w, s, i), hi)
+        else:
+            k = kb + tl.arange(0, BK)
+            k_ok = k < K
+            w = tl.load(
+                w_base + n[:, None] * stride_wn + k[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            hk = tl.load(
+                h_ptr + rows[None, :] * stride_h + k[:, None], mask=k_ok[:, None], other=0.0
+            )
+            acc += tl.dot(w.to(tl.bfloat16), hk)
+    wt = tl.load(tw_ptr + pair, mask=valid, other=0.0)  # [BM] top-k weight of each pair
+    acc = acc * wt[None, :]
+    tok = pair // TOPK
+    tl.atomic_add(
+        out_ptr + tok[None, :] * stride_o + n[:, None], acc, mask=valid[None, :] & n_ok[:, None]
+    )
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, bm: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, slot) pairs by expert into blocks of `bm`, on the device, no host sync.
+
+    Returns sorted_pairs [NB * bm] (pair index t * k + j, or P = T * k for padding) and
+    block_expert [NB] (the expert of each block, or num_experts past the last used block).
+    NB is a host-side upper bound: every non-empty expert wastes at most bm - 1 slots.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
+    p = flat.numel()
+    dev = flat.device
+    nb = triton.cdiv(p + min(num_experts, p) * (bm - 1), bm)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    blocks = (counts + bm - 1) // bm  # [E]
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    pair_start = torch.cumsum(counts, 0) - counts  # [E]
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
+    sorted_e = flat[order]
+    rank = torch.arange(p, device=dev) - pair_start[sorted_e]  # position within its expert
+    dest = (block_end - blocks)[sorted_e] * bm + rank
+    sorted_pairs = torch.full((nb * bm,), p, dtype=torch.int64, device=dev)
+    sorted_pairs[dest] = order
+    block_expert = torch.searchsorted(block_end, torch.arange(nb, device=dev), right=True)
+    return sorted_pairs, block_expert
+
+
+def _pick_bm(num_pairs: int, num_experts: int) -> int:
+    """Tokens per block: large enough that most experts fit in one block (weights read once)."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 5 else 32 if per_expert <= 14 else 64
+
+
+def _permute_k(x: torch.Tensor, bk: int) -> torch.Tensor:
+    """[T, K] -> [T, Kp] (Kp = K padded to bk): column kb + i*KW + j holds x[:, kb + 8j + i]."""
+    t, k = x.shape
+    kp = triton.cdiv(k, bk) * bk
+    xp = torch.nn.functional.pad(x, (0, kp - k)) if kp != k else x
+    return xp.view(t, kp // bk, bk // 8, 8).transpose(-1, -2).reshape(t, kp)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k] float32, routed_scaling_factor already applied
+    weights: ExpertWeights,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:  # [T, H] in x.dtype
+    """`moe_ref`'s contract on CUDA (or the Triton interpreter). `config` overrides tile sizes."""
+    t, hidden = x.shape
+    topk = topk_ids.shape[1]
+    int4 = weights.is_int4
+    w13 = weights.w13_packed if int4 else weights.w13
+    w2 = weights.w2_packed if int4 else weights.w2
+    s13 = weights.w13_scale if int4 else w13  # unused when dense
+    s2 = weights.w2_scale if int4 else w2
+    num_experts, two_i = w13.shape[0], w13.shape[1]
+    inter = two_i // 2
+    p = t * topk
+    cfg = dict(BM=_pick_bm(p, num_experts), BN1=64, KW1=32, BN2=128, KW2=32, W1=4, W2=4, S1=3, S2=3)
+    cfg.update(config or {})
+    bm = cfg["BM"]
+    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out.to(x.dtype)
+    sorted_pairs, block_expert = align_by_expert(topk_ids, num_experts, bm)
+    nb = block_expert.numel()
+    bk1, bk2 = 8 * cfg["KW1"], 8 * cfg["KW2"]
+    xin = _permute_k(x.to(torch.bfloat16), bk1) if int4 else x.to(torch.bfloat16).contiguous()
+    ip = triton.cdiv(inter, bk2) * bk2 if int4 else inter
+    h = torch.zeros(nb * bm, ip, dtype=torch.bfloat16, device=x.device)
+    _moe_up_kernel[(nb * triton.cdiv(inter, cfg["BN1"]),)](
+        xin, w13, s13, h, sorted_pairs, block_expert,
+        p, num_experts, nb, hidden, inter,
+        xin.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=cfg["KW1"], KW_OUT=cfg["KW2"],
+        BK=bk1, BK_OUT=bk2,
+        num_warps=cfg["W1"], num_stages=cfg["S1"],
+    )  # fmt: skip
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _moe_down_kernel[(nb * triton.cdiv(hidden, cfg["BN2"]),)](
+        h, w2, s2, out, sorted_pairs, block_expert, tw,
+        p, num_experts, nb, inter, hidden,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], BK=bk2,
+        num_warps=cfg["W2"], num_stages=cfg["S2"],
+    )  # fmt: skip
+    return out.to(x.dtype)
