@@ -75,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)"
     )
     g.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default %(default)s)",
+    )
     g.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url host")
     g = p.add_argument_group("load")
     g.add_argument(
@@ -109,7 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=0, help="warm-up requests before measuring")
     g.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
     g = p.add_argument_group("requests")
-    g.add_argument("--dataset", choices=("random", "jsonl", "sharegpt"), default="random")
+    g.add_argument(
+        "--dataset",
+        choices=("random", "jsonl", "sharegpt"),
+        default="random",
+        help="prompt source (default %(default)s): random words, a JSONL file of "
+        '{"prompt", "max_tokens"} rows, or a ShareGPT JSON file',
+    )
     g.add_argument("--dataset-path", default=None, help="file for --dataset jsonl/sharegpt")
     g.add_argument(
         "--input-len", type=int, default=128, help="random prompt length (tokens, approx)"
@@ -122,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="random lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)",
     )
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="write the JSON result here")
     g.add_argument("--plot", default=None, help="write a PNG of the sweep here")
@@ -208,7 +219,9 @@ async def run_all(args: argparse.Namespace) -> dict:
         if args.warmup:
             warm = load_prompts(args, args.warmup, args.seed + 1)
             shape = LoadShape(concurrencies[0], args.duration)
-            await run_load(lambda pr: send_request(client, target, pr), warm, shape)
+            outcome = await run_load(lambda pr: send_request(client, target, pr), warm, shape)
+            failed = sum(not r.success for r in outcome.results)
+            print(f"warm-up: {len(outcome.results) - failed} ok, {failed} failed", flush=True)
         runs = []
         for c in concurrencies:
             shape = LoadShape(c, args.duration, args.request_rate, args.seed)
@@ -226,11 +239,17 @@ async def run_all(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the load test; exit status 1 if any request failed, else 0."""
+    """Run the load test; exit status 1 if any request failed, 2 if it could not start, else 0."""
     parser = build_parser()
     args = parser.parse_args(argv)
     validate(args, parser)
-    result = asyncio.run(run_all(args))
+    try:
+        result = asyncio.run(run_all(args))
+    except (httpx.HTTPError, RuntimeError) as e:  # server unreachable or lists no model
+        print(
+            f"loadtest: cannot start against {args.url}: {type(e).__name__}: {e}", file=sys.stderr
+        )
+        return 2
     if args.out:
         print(f"JSON result: {write_json(result, args.out)}")
     if args.plot:

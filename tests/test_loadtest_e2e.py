@@ -184,3 +184,13 @@ def test_module_entry_points_print_help(module):
     )
     assert proc.returncode == 0, proc.stderr
     assert "--sweep" in proc.stdout and "--allow-remote" in proc.stdout
+
+
+def test_unreachable_server_exits_with_status_2(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(["--url", f"http://127.0.0.1:{port}", "--no-progress"])
+    assert rc == 2
