@@ -1,0 +1,126 @@
+"""From a validated request body to what the engine runs: prompt ids, SamplingParams, stop strings.
+
+Every rejection is an `ApiError` naming the offending field, so the client learns what to fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddserve.sampling import SamplingParams
+from ddserve.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+
+def _check_common(req: _SamplingFields, served: str) -> None:
+    if req.model is not None and req.model != served:
+        raise ApiError(
+            404,
+            f"The model '{req.model}' does not exist; this server serves '{served}'.",
+            param="model",
+            code="model_not_found",
+        )
+    if req.n != 1:
+        raise ApiError(400, f"n={req.n} is not supported: only n=1.", param="n")
+    if req.logprobs not in (None, False):
+        raise ApiError(400, "logprobs are not supported.", param="logprobs")
+
+
+def _params(
+    req: _SamplingFields, max_tokens: int | None, n_prompt: int, ctx: int, default_max: int | None
+) -> SamplingParams:
+    if n_prompt == 0:
+        raise ApiError(400, "The prompt is empty.", param="prompt")
+    if n_prompt >= ctx:
+        raise ApiError(
+            400,
+            f"The prompt has {n_prompt} tokens; this model's maximum context "
+            f"length is {ctx} tokens.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    room = ctx - n_prompt
+    if max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    if max_tokens > room:
+        raise ApiError(
+            400,
+            f"max_tokens={max_tokens} is too large: the prompt has {n_prompt} "
+            f"tokens and this model's maximum context length is {ctx} tokens, so at "
+            f"most {room} can be generated.",
+            param="max_tokens",
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, f"Token ids in '{param}' must be in [0, {vocab_size}).", param=param)
+
+
+def prepare_completion(
+    req: CompletionRequest, served: str, tok: Any, ctx: int
+) -> tuple[list[int], SamplingParams, list[str]]:
+    _check_common(req, served)
+    for field in ("echo", "suffix"):
+        if getattr(req, field):
+            raise ApiError(400, f"'{field}' is not supported.", param=field)
+    if req.best_of not in (None, 1):
+        raise ApiError(400, "best_of > 1 is not supported.", param="best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(
+                400, f"Only one prompt per request is supported, got {len(prompt)}.", param="prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_bos=True)
+    else:
+        ids = [int(t) for t in prompt]
+        _check_token_ids(ids, getattr(tok, "vocab_size", None), "prompt")
+    _check_token_ids(
+        list(req.stop_token_ids or ()), getattr(tok, "vocab_size", None), "stop_token_ids"
+    )
+    params = _params(req, req.max_tokens, len(ids), ctx, COMPLETION_DEFAULT_MAX_TOKENS)
+    return ids, params, req.stop_strings()
+
+
+def prepare_chat(
+    req: ChatCompletionRequest, served: str, tok: Any, ctx: int
+) -> tuple[list[int], SamplingParams, list[str]]:
+    _check_common(req, served)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    _check_token_ids(
+        list(req.stop_token_ids or ()), getattr(tok, "vocab_size", None), "stop_token_ids"
+    )
+    params = _params(req, req.requested_max_tokens(), len(ids), ctx, None)
+    return ids, params, req.stop_strings()

@@ -1,0 +1,161 @@
+"""Request parsing and response shapes, checked against the `openai` package's own types."""
+
+from __future__ import annotations
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChunk
+from pydantic import ValidationError
+from serve_fakes import ByteTok
+
+from ddserve.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from ddserve.serve.requests import ApiError, prepare_chat, prepare_completion
+
+
+def test_extra_fields_are_accepted_and_kept() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": 0.5, "foo": [1]})
+    assert req.model_extra == {"presence_penalty": 0.5, "foo": [1]}
+
+
+def test_stop_accepts_a_string_or_a_list() -> None:
+    assert CompletionRequest(prompt="x", stop="##").stop_strings() == ["##"]
+    assert CompletionRequest(prompt="x", stop=["a", "", "b"]).stop_strings() == ["a", "b"]
+    assert CompletionRequest(prompt="x").stop_strings() == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -0.1},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"top_k": -1},
+        {"max_tokens": "many"},
+        {"stream": "maybe"},
+    ],
+)
+def test_out_of_range_sampling_fields_are_rejected(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "x", **bad})
+
+
+def test_chat_content_parts_are_joined() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "image_url", "image_url": {}},
+                        {"type": "text", "text": "b"},
+                    ],
+                }
+            ]
+        }
+    )
+    assert req.messages[0].text() == "ab"
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7
+    )
+    assert req.requested_max_tokens() == 7
+
+
+def test_prepare_completion_maps_sampling_fields() -> None:
+    req = CompletionRequest(
+        prompt="hey",
+        max_tokens=4,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=3,
+        seed=11,
+        stop_token_ids=[5],
+        ignore_eos=True,
+        stop=["q"],
+    )
+    ids, params, stops = prepare_completion(req, "m", ByteTok(), 32)
+    assert ids == list(b"hey") and stops == ["q"]
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (
+        4,
+        0.7,
+        0.9,
+        3,
+        11,
+    )
+    assert params.stop_token_ids == (5,) and params.ignore_eos
+
+
+def test_default_max_tokens_is_16_for_completions_and_the_rest_of_context_for_chat() -> None:
+    _, params, _ = prepare_completion(CompletionRequest(prompt="hey"), "m", ByteTok(), 100)
+    assert params.max_tokens == 16
+    _, params, _ = prepare_completion(CompletionRequest(prompt="hey"), "m", ByteTok(), 10)
+    assert params.max_tokens == 7
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    ids, params, _ = prepare_chat(req, "m", ByteTok(), 100)
+    assert len(ids) + params.max_tokens == 100
+
+
+def test_single_prompt_in_a_list_is_accepted() -> None:
+    ids, _, _ = prepare_completion(CompletionRequest(prompt=["ab"]), "m", ByteTok(), 32)
+    assert ids == [97, 98]
+    ids, _, _ = prepare_completion(CompletionRequest(prompt=[[1, 2]]), "m", ByteTok(), 32)
+    assert ids == [1, 2]
+
+
+def test_model_may_be_omitted_but_not_wrong() -> None:
+    prepare_completion(CompletionRequest(prompt="x"), "m", ByteTok(), 32)
+    with pytest.raises(ApiError) as e:
+        prepare_completion(CompletionRequest(prompt="x", model="other"), "m", ByteTok(), 32)
+    assert e.value.status == 404 and e.value.param == "model"
+
+
+def test_prompt_filling_the_context_is_rejected() -> None:
+    with pytest.raises(ApiError) as e:
+        prepare_completion(CompletionRequest(prompt="x" * 8), "m", ByteTok(), 8)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_responses_parse_as_openai_types() -> None:
+    u = Usage.of(3, 4)
+    assert u.total_tokens == 7
+    c = CompletionResponse(
+        id="c",
+        created=1,
+        model="m",
+        usage=u,
+        choices=[CompletionChoice(text="hi", finish_reason="length")],
+    )
+    assert Completion.model_validate(c.model_dump()).choices[0].text == "hi"
+    chat = ChatCompletionResponse(
+        id="c",
+        created=1,
+        model="m",
+        usage=u,
+        choices=[ChatChoice(message=ChatResponseMessage(content="yo"), finish_reason="stop")],
+    )
+    assert ChatCompletion.model_validate(chat.model_dump()).choices[0].message.content == "yo"
+    chunk = ChatCompletionChunk(
+        id="c",
+        created=1,
+        model="m",
+        choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))],
+    )
+    assert OpenAIChunk.model_validate(chunk.model_dump()).choices[0].delta.role == "assistant"
+    last = ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=u)
+    assert OpenAIChunk.model_validate(last.model_dump()).usage.completion_tokens == 4
