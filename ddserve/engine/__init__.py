@@ -1,0 +1,1 @@
+"""The engine: model runner, streams, scheduling and the offline `LLM` API."""

@@ -1,0 +1,171 @@
+"""Tensor-parallel communicators: one small interface, three backends.
+
+`LocalComm` (tp = 1, no-ops), `GlooComm` (torch.distributed gloo, CPU: tests and CI) and
+`NcclComm` (CuPy NCCL on GPUs). Parallel layers call these inside their `forward`; model code
+never sees ranks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Communicator(ABC):
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over ranks in place; returns `t`."""
+
+    @abstractmethod
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenation of every rank's `t` (same shape on all ranks) along `dim`, rank order."""
+
+    @abstractmethod
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `t` in place with rank `src`'s `t`; returns `t`."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class LocalComm(Communicator):
+    """A single rank: every collective is the identity."""
+
+    rank, world_size = 0, 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return t
+
+    def barrier(self) -> None:
+        pass
+
+
+class GlooComm(Communicator):
+    """torch.distributed with the gloo backend (CPU tensors); one process per rank."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        self.rank, self.world_size = rank, world_size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype in (torch.bfloat16, torch.float16):  # gloo sums 16-bit floats poorly
+            buf = t.float()
+            self._dist.all_reduce(buf)
+            return t.copy_(buf)
+        self._dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, t)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._dist.broadcast(t, src=src)
+        return t
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+_NCCL_UNIQUE_ID_BYTES = 128
+
+
+def _nccl_dtype(nccl, dtype: torch.dtype) -> int:
+    table = {
+        torch.float32: nccl.NCCL_FLOAT32,
+        torch.float16: nccl.NCCL_FLOAT16,
+        # ncclBfloat16 = 9 in nccl.h (NCCL >= 2.10); older CuPy builds lack the constant.
+        torch.bfloat16: getattr(nccl, "NCCL_BFLOAT16", 9),
+        torch.int32: nccl.NCCL_INT32,
+        torch.int64: nccl.NCCL_INT64,
+        torch.uint8: nccl.NCCL_UINT8,
+    }
+    if dtype not in table:
+        raise TypeError(f"NcclComm: unsupported dtype {dtype}")
+    return table[dtype]
+
+
+class NcclComm(Communicator):
+    """CuPy NCCL on the current CUDA device, ordered on torch's current stream.
+
+    Rank 0 calls `NcclComm.make_unique_id()` and ships the bytes to every rank (e.g. through a
+    Ray actor call) before all ranks construct the communicator together.
+    """
+
+    def __init__(self, rank: int, world_size: int, unique_id: bytes) -> None:
+        import cupy  # lazy: CPU machines have no CuPy
+        from cupy.cuda import nccl
+
+        if len(unique_id) != _NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"NCCL unique id must be 128 bytes, got {len(unique_id)}")
+        self._nccl = nccl
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        uid = tuple(b - 256 if b >= 128 else b for b in unique_id)  # NCCL's id is signed chars
+        with cupy.cuda.Device(self.device.index):
+            self._comm = nccl.NcclCommunicator(world_size, uid, rank)
+
+    @staticmethod
+    def make_unique_id() -> bytes:
+        from cupy.cuda import nccl
+
+        return bytes(b & 0xFF for b in nccl.get_unique_id())
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.device != self.device or not t.is_contiguous():
+            raise ValueError(f"NcclComm needs contiguous tensors on {self.device}, got {t.device}")
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self._check(t)
+        n, ptr = self._nccl, t.data_ptr()
+        dt = _nccl_dtype(n, t.dtype)
+        self._comm.allReduce(ptr, ptr, t.numel(), dt, n.NCCL_SUM, self._stream())
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        t = t.contiguous()
+        self._check(t)
+        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
+        dt = _nccl_dtype(self._nccl, t.dtype)
+        self._comm.allGather(t.data_ptr(), out.data_ptr(), t.numel(), dt, self._stream())
+        return torch.cat(out.unbind(0), dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._check(t)
+        dt = _nccl_dtype(self._nccl, t.dtype)
+        self._comm.bcast(t.data_ptr(), t.numel(), dt, src, self._stream())
+        return t
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device))
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        if getattr(self, "_comm", None) is not None:
+            self._comm.destroy()
+            self._comm = None

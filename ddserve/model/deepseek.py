@@ -1,0 +1,114 @@
+"""DeepseekV3ForCausalLM: the target model as single-device code over TP-aware layers.
+
+Parameter names equal the HF checkpoint names (minus the K2.6 `language_model.` prefix), except
+the routed experts, which the loader stacks into `mlp.experts.{w13,w2}[_packed|_scale]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ddserve.config import ModelConfig
+from ddserve.engine.comm import Communicator, LocalComm
+from ddserve.kernels.tree_attn import TreeAttnMeta
+from ddserve.model.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from ddserve.model.mla import MLA
+from ddserve.model.moe import DenseMLP, MoE
+from ddserve.model.rope import RotaryEmbedding
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [T, vocab_size] float32, identical on every rank
+    hidden: torch.Tensor | None  # [T, len(capture_layers) * hidden_size] or None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, comm: Communicator, rope, dtype, device):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = MLA(cfg, comm, rope, dtype, device)
+        if cfg.is_moe_layer(i):
+            self.mlp = MoE(cfg, comm, dtype, device)
+        else:
+            self.mlp = DenseMLP(d, cfg.intermediate_size, comm, dtype, device)
+        self.input_layernorm = RMSNorm(d, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype, device)
+
+    def forward(self, x, cos, sin, kv_cache, meta, absorbed: bool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, absorbed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, rope, dtype, device) -> None:
+        super().__init__()
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = VocabParallelEmbedding(v, d, comm, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, comm, rope, dtype, device) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Weights are allocated empty; fill them with `loader.load_checkpoint`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        comm: Communicator | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.cfg, self.comm = cfg, comm or LocalComm()
+        self.dtype, self.device = dtype, torch.device(device)
+        self.rotary_emb = RotaryEmbedding(cfg, self.device)
+        self.model = DeepseekV3Model(cfg, self.comm, self.rotary_emb, dtype, self.device)
+        v, d = cfg.vocab_size, cfg.hidden_size
+        self.lm_head = ParallelLMHead(v, d, self.comm, dtype, self.device)
+
+    def new_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed latent pool [L, num_slots, kv_latent_dim] (tests; the engine owns its own)."""
+        shape = (self.cfg.num_hidden_layers, num_slots, self.cfg.kv_latent_dim)
+        return torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, D]
+        return self.model.embed_tokens(ids)
+
+    @torch.no_grad()
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        """lm_head only (no final norm), full vocabulary on every rank."""
+        return self.lm_head(h)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [L, S, R + P]
+        meta: TreeAttnMeta,
+        capture_layers: tuple[int, ...] = (),
+        absorbed: bool = True,
+    ) -> ModelOutput:
+        """Write the T tokens' latents at meta.block_slots in every layer, attend, return logits.
+
+        `hidden` concatenates the outputs (residual stream) of decoder layers `capture_layers`
+        (0-based), in the order given.
+        """
+        x = self.embed(input_ids)  # [T, D]
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, P] each
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache[i], meta, absorbed)
+            if i in capture_layers:
+                captured[i] = x
+        hidden = None
+        if capture_layers:
+            hidden = torch.cat([captured[i] for i in capture_layers], dim=-1)  # [T, n * D]
+        return ModelOutput(logits=self.lm_head(self.model.norm(x)), hidden=hidden)

@@ -1,0 +1,127 @@
+"""Multi-head latent attention over the slot-indexed latent cache.
+
+Per token and layer the cache holds only [c_kv (kv_lora_rank) | k_rope (qk_rope_head_dim)].
+kv_b_proj's rows per head are [W_UK (qk_nope rows) ; W_UV (v_head rows)], each [., kv_lora_rank].
+
+- absorbed (decode / verify / any chunk): q_latent = q_nope W_UK, attention in latent space by
+  `backend.tree_attention`, then W_UV after attention.
+- expanded (prefill): keys and values re-expanded from the cached latents with kv_b_proj, as HF
+  does. Both forms write the new tokens' latents first and then read every key from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddserve.config import ModelConfig
+from ddserve.engine.comm import Communicator
+from ddserve.kernels import backend
+from ddserve.kernels.tree_attn import TreeAttnMeta
+from ddserve.model.layers import (
+    ColumnParallelLinear,
+    Linear,
+    RMSNorm,
+    RowParallelLinear,
+    shard_size,
+)
+from ddserve.model.rope import RotaryEmbedding
+
+LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, rope: RotaryEmbedding, dtype, device):
+        super().__init__()
+        d, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.n_local = shard_size(heads, comm.world_size, "num_attention_heads")
+        self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.rank, self.scale = cfg.kv_lora_rank, cfg.softmax_scale
+        self.rope = [rope]  # shared, not a submodule (keeps state_dict names = checkpoint names)
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(d, heads * cfg.qk_head_dim, comm, dtype, device)
+        else:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype, device)
+            q_out = heads * cfg.qk_head_dim
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_out, comm, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_latent_dim, dtype, device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype, device)
+        kv_b_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, kv_b_out, comm, dtype, device)
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, d, comm, dtype, device)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, H_local, qk_head_dim]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.n_local, -1)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.n_local, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]  # [H, nope, R], [H, v, R]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, P]
+        sin: torch.Tensor,  # [T, P]
+        kv_cache: torch.Tensor,  # [S, R + P] this layer's latent pool
+        meta: TreeAttnMeta,
+        absorbed: bool = True,
+    ) -> torch.Tensor:  # [T, D] (all-reduced)
+        rope = self.rope[0]
+        q_nope, q_pe = self._query(x).split([self.nope, self.rope_dim], dim=-1)  # [T, H, nope|P]
+        q_pe = rope(q_pe, cos, sin)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), rope(k_pe, cos, sin)], dim=-1)  # [T, R+P]
+        kv_cache[meta.block_slots] = latent.to(kv_cache.dtype)
+        w_uk, w_uv = self._w_uk_uv()
+        if absorbed:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+            attend = backend.tree_attention(backend.device_type(x))
+            o_lat = attend(q_lat, q_pe.contiguous(), kv_cache, meta, self.scale)  # [T, H, R]
+            out = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)  # [T, H, v]
+        else:
+            out = expanded_attention(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+def block_visibility(meta: TreeAttnMeta, b: int, device) -> torch.Tensor:
+    """[Q, P + Q] bool: block b's rows see all prefix slots and their block_mask tokens."""
+    ql, pl = int(meta.q_lens[b]), int(meta.prefix_lens[b])
+    visible = torch.ones(ql, pl + ql, dtype=torch.bool, device=device)
+    visible[:, pl:] = meta.block_mask[b, :ql, :ql]
+    return visible
+
+
+def expanded_attention(
+    q_nope: torch.Tensor,  # [T, H, nope]
+    q_pe: torch.Tensor,  # [T, H, P]
+    kv_cache: torch.Tensor,  # [S, R + P]
+    meta: TreeAttnMeta,
+    w_uk: torch.Tensor,  # [H, nope, R]
+    w_uv: torch.Tensor,  # [H, v, R]
+    scale: float,
+) -> torch.Tensor:  # [T, H, v]
+    """Plain multi-head attention with keys/values expanded from the cached latents."""
+    rank = w_uk.shape[-1]
+    out = q_nope.new_zeros(*q_nope.shape[:2], w_uv.shape[1])
+    for b in range(meta.num_blocks):
+        q0, ql, pl = int(meta.q_starts[b]), int(meta.q_lens[b]), int(meta.prefix_lens[b])
+        if ql == 0:
+            continue
+        slots = torch.cat([meta.prefix_slots[b, :pl], meta.block_slots[q0 : q0 + ql]])  # [K]
+        lat = kv_cache[slots].to(q_nope.dtype)  # [K, R + P]
+        c_kv, k_pe = lat[:, :rank], lat[:, rank:]
+        k_nope = torch.einsum("kr,hnr->khn", c_kv, w_uk)  # [K, H, nope]
+        v = torch.einsum("kr,hvr->khv", c_kv, w_uv)  # [K, H, v]
+        qn, qp = q_nope[q0 : q0 + ql], q_pe[q0 : q0 + ql]
+        scores = torch.einsum("qhn,khn->hqk", qn, k_nope) + torch.einsum("qhp,kp->hqk", qp, k_pe)
+        scores = scores.float() * scale
+        scores = scores.masked_fill(~block_visibility(meta, b, scores.device), float("-inf"))
+        probs = scores.softmax(dim=-1).to(v.dtype)  # [H, Q, K]
+        out[q0 : q0 + ql] = torch.einsum("hqk,khv->qhv", probs, v)
+    return out
