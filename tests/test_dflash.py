@@ -1,0 +1,289 @@
+"""DFlash drafter: incremental context ring == recompute; module == a plain re-statement of the
+DFlash forward; checkpoint validation against the target; DDTree greedy == AR greedy with it."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ddserve.config import ModelConfig
+from ddserve.drafter import DFlashDrafter, DFlashModel, DrafterConfig, DrafterMismatch
+from ddserve.drafter.loader import load_drafter
+from ddserve.drafter.rope import rope_inv_freq
+from ddserve.drafter.tiny import random_weights, write_tiny_drafter
+
+H, V, TARGET_LAYERS, MASK = 64, 300, 5, 290
+
+
+def target_cfg(**over) -> ModelConfig:
+    raw = dict(
+        model_type="deepseek_v3", hidden_size=H, num_hidden_layers=TARGET_LAYERS, vocab_size=V,
+        num_attention_heads=4, n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=2,
+    )  # fmt: skip
+    return ModelConfig.from_hf({**raw, **over})
+
+
+def drafter_raw(layer_types=("sliding_attention", "sliding_attention"), window=16, **over) -> dict:
+    """A published-layout DFlash config.json; target_layer_ids unsorted on purpose."""
+    raw = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+        "intermediate_size": 96, "num_hidden_layers": len(layer_types), "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": V,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1},
+        "block_size": 5, "num_target_layers": TARGET_LAYERS,
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [3, 0]},
+        "layer_types": list(layer_types), "use_sliding_window": window is not None,
+        "sliding_window": window,
+    }  # fmt: skip
+    raw.update(over)
+    return raw
+
+
+class FakeTarget:
+    """Random embedding + lm_head standing in for the target model's `embed` / `lm_logits`."""
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.randn(V, H, generator=g)
+        self.head = torch.randn(V, H, generator=g) / math.sqrt(H)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb[ids]
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h.float() @ self.head.T
+
+
+def make_model(raw: dict, seed: int = 0) -> tuple[DFlashModel, dict[str, torch.Tensor]]:
+    cfg = DrafterConfig.from_hf(raw)
+    weights = random_weights(cfg, seed=seed, std=0.15)
+    model = DFlashModel(cfg)
+    model.load_state_dict(weights)
+    return model, weights
+
+
+def capture(states: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    """What the target hands over: its captured layers (sorted, unique) concatenated."""
+    return torch.cat([states[i] for i in layers], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# The DFlash forward, restated in one plain function (float64, no cache, no module).
+# --------------------------------------------------------------------------------------------
+
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_dflash(w, raw, states, bonus, target):
+    """Per-depth logits [D, V] of one stream whose committed context is `states` (target layer id
+    -> [n, H] hidden states of positions 0..n-1); the block [bonus, MASK x D] sits at n..n+D."""
+    w = {k: t.double() for k, t in w.items()}
+    ids, nh, nkv, hd = raw["dflash_config"]["target_layer_ids"], 4, 2, raw["head_dim"]
+    n, q_len = next(iter(states.values())).shape[0], raw["block_size"]
+    hf = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    inv_freq, attn_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+
+    def rope(x, pos):  # x [T, heads, hd]
+        ang = pos.double()[:, None] * inv_freq.double()[None]
+        cos = torch.cat([ang.cos()] * 2, -1)[:, None] * attn_factor
+        sin = torch.cat([ang.sin()] * 2, -1)[:, None] * attn_factor
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    ctx = torch.cat([states[i].double() for i in ids], -1) @ w["fc.weight"].T
+    ctx = rms(ctx, w["hidden_norm.weight"])  # [n, H]
+    x = target.emb[[int(bonus)] + [MASK] * (q_len - 1)].double()  # [Q, H]
+    q_pos, k_pos = torch.arange(n, n + q_len), torch.arange(n + q_len)
+    for layer, kind in enumerate(raw["layer_types"]):
+        p = f"layers.{layer}."
+        hn = rms(x, w[p + "input_layernorm.weight"])
+        q = rms(
+            (hn @ w[p + "self_attn.q_proj.weight"].T).view(q_len, nh, hd),
+            w[p + "self_attn.q_norm.weight"],
+        )
+        kv_in = torch.cat([ctx, hn])  # context first, then the block
+        k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd)
+        k = rope(rms(k, w[p + "self_attn.k_norm.weight"]), k_pos).repeat_interleave(nh // nkv, 1)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+        v = v.repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", rope(q, q_pos), k) / math.sqrt(hd)
+        if kind == "sliding_attention":
+            dist = q_pos[:, None] - k_pos[None, :]
+            scores = scores.masked_fill(
+                (dist >= raw["sliding_window"]) | (-dist >= raw["sliding_window"]), -math.inf
+            )
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, nh * hd)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        hn = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = hn @ w[p + "mlp.gate_proj.weight"].T, hn @ w[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    x = rms(x, w["norm.weight"])
+    return x[1:] @ target.head.double().T  # [D, V]
+
+
+CASES = {
+    "sliding": dict(layer_types=("sliding_attention", "sliding_attention"), window=16),
+    "mixed": dict(layer_types=("sliding_attention", "full_attention"), window=16),
+    "full": dict(layer_types=("full_attention", "full_attention"), window=None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_module_matches_plain_restatement(case):
+    raw = drafter_raw(**CASES[case])
+    model, w = make_model(raw)
+    target = FakeTarget()
+    drafter = DFlashDrafter(model, target, max_streams=3, max_context=256)
+    g = torch.Generator().manual_seed(1)
+    lengths = {"short": 6, "wrapped": 41, "long": 90}  # window 16: two of these wrap the ring
+    states = {
+        s: {i: torch.randn(n, H, generator=g) for i in range(TARGET_LAYERS)}
+        for s, n in lengths.items()
+    }
+    for sid, st in states.items():
+        drafter.add_stream(sid, [0] * lengths[sid], capture(st, drafter.capture_layers))
+    bonus = torch.tensor([7, 123, 260])
+    got = drafter.draft(list(states), bonus)  # [3, D, V]
+    assert got.shape == (3, raw["block_size"] - 1, V)
+    for b, st in enumerate(states.values()):
+        want = reference_dflash(w, raw, st, bonus[b], target)
+        torch.testing.assert_close(got[b].double(), want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_incremental_context_equals_recompute(case):
+    """Many steps with random acceptance (1..block_size tokens committed), streams joining and
+    leaving, batches in shuffled order: the ring gives what a fresh drafter given the whole
+    history gives, including long after the window wrapped."""
+    raw = drafter_raw(**CASES[case])
+    model, _ = make_model(raw, seed=3)
+    target = FakeTarget(seed=1)
+    inc = DFlashDrafter(model, target, max_streams=4, max_context=512)
+    rng, g = random.Random(0), torch.Generator().manual_seed(2)
+    k = len(inc.capture_layers)
+    history: dict[str, torch.Tensor] = {}
+    next_sid = 0
+    for step in range(28):
+        if len(history) < 3 or (step % 9 == 4):
+            if len(history) == 4:
+                gone = rng.choice(sorted(history))
+                inc.remove_stream(gone)
+                del history[gone]
+            sid, next_sid = f"s{next_sid}", next_sid + 1
+            history[sid] = torch.randn(rng.randint(1, 20), k * H, generator=g)
+            inc.add_stream(sid, [0] * history[sid].shape[0], history[sid])
+        for sid in history:
+            new = torch.randn(rng.randint(1, raw["block_size"]), k * H, generator=g)
+            inc.commit(sid, [0] * new.shape[0], new)
+            history[sid] = torch.cat([history[sid], new])
+        sids = rng.sample(sorted(history), len(history))
+        bonus = torch.randint(0, V, (len(sids),), generator=g)
+        got = inc.draft(sids, bonus)
+        for b, sid in enumerate(sids):
+            fresh = DFlashDrafter(model, target, max_streams=1, max_context=512)
+            fresh.add_stream(sid, [0] * history[sid].shape[0], history[sid])
+            want = fresh.draft([sid], bonus[b : b + 1])[0]
+            torch.testing.assert_close(got[b], want, atol=1e-4, rtol=1e-4)
+    assert max(h.shape[0] for h in history.values()) > 3 * 16  # the ring wrapped several times
+
+
+def test_sliding_drafter_keeps_only_its_window():
+    raw = drafter_raw(**CASES["sliding"])
+    model, _ = make_model(raw)
+    drafter = DFlashDrafter(model, FakeTarget(), max_streams=2)
+    assert drafter.cache.capacity == 16 and drafter.depth == raw["block_size"] - 1
+    assert drafter.capture_layers == (0, 3)
+
+
+def test_yarn_frequencies_match_transformers():
+    raw = drafter_raw()
+    raw["rope_scaling"] = dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=256,
+        mscale=1.0, mscale_all_dim=0.7, beta_fast=16, beta_slow=2,
+    )  # fmt: skip
+    hf = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    want_inv, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    inv, factor = rope_inv_freq(DrafterConfig.from_hf(raw).rope, raw["head_dim"])
+    torch.testing.assert_close(inv, want_inv.float())
+    assert factor == pytest.approx(want_factor)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and validation against the target
+# --------------------------------------------------------------------------------------------
+
+
+def test_tiny_drafter_round_trips_through_the_loader(tmp_path):
+    tcfg = target_cfg(hidden_size=256, vocab_size=264)
+    write_tiny_drafter(tmp_path, tcfg, seed=5, sliding_window=64)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["dflash_config"]["mask_token_id"] == 260 and raw["block_size"] == 8
+    drafter = load_drafter(tmp_path, tcfg, FakeTarget(), max_streams=2, dtype=torch.float32)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    for name, t in drafter.model.state_dict().items():
+        torch.testing.assert_close(t, stored[name].float())
+    assert drafter.cache.capacity == 64
+    assert all(0 <= i < tcfg.num_hidden_layers for i in drafter.capture_layers)
+
+
+@pytest.mark.parametrize(
+    "target_over, drafter_over, named",
+    [
+        (
+            {},
+            {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [0, 5]}},
+            "target_layer_ids",
+        ),
+        ({"num_hidden_layers": 3}, {"num_target_layers": None}, "target_layer_ids"),
+        ({"hidden_size": 128}, {}, "hidden_size"),
+        ({"vocab_size": 200}, {}, "mask_token_id"),
+        ({"num_hidden_layers": 6}, {}, "num_target_layers"),
+    ],
+)
+def test_mismatched_drafter_is_rejected_at_load(tmp_path, target_over, drafter_over, named):
+    raw = drafter_raw(**drafter_over)
+    model, w = make_model(drafter_raw())
+    save_file(w, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DrafterMismatch, match=named):
+        load_drafter(tmp_path, target_cfg(**target_over), FakeTarget(), max_streams=1)
+
+
+def test_missing_or_misshapen_tensor_is_named(tmp_path):
+    raw = drafter_raw()
+    _, w = make_model(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    save_file(
+        {k: v for k, v in w.items() if k != "layers.1.mlp.up_proj.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(DrafterMismatch, match="layers.1.mlp.up_proj.weight"):
+        load_drafter(tmp_path, target_cfg(), FakeTarget(), max_streams=1)
+    w["fc.weight"] = w["fc.weight"][:, :H].contiguous()
+    save_file(w, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DrafterMismatch, match="fc.weight"):
+        load_drafter(tmp_path, target_cfg(), FakeTarget(), max_streams=1)
+
+
+def test_published_config_layout_parses():
+    """transformers-5 `rope_parameters`, block_size inside dflash_config, default layer ids."""
+    raw = drafter_raw()
+    del raw["rope_scaling"], raw["rope_theta"], raw["block_size"]
+    raw["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
+    raw["dflash_config"] = {"mask_token_id": MASK, "block_size": 16}
+    raw["num_target_layers"] = 36
+    cfg = DrafterConfig.from_hf(raw)
+    assert cfg.block_size == 16 and cfg.rope.theta == 500000.0 and cfg.rope.kind == "default"
+    assert cfg.target_layer_ids == (1, 33)  # round(1 + i*(36-4)/(2-1))
