@@ -224,7 +224,8 @@ def fused_moe(
     sorted_pairs, block_expert = align_by_expert(topk_ids, num_experts, bm)
     nb = block_expert.numel()
     bk1, bk2 = 8 * cfg["KW1"], 8 * cfg["KW2"]
-    xin = _permute_k(x.to(torch.bfloat16), bk1) if int4 else x.to(torch.bfloat16).contiguous()
+    xin = x.to(torch.bfloat16).contiguous()  # [T, H]
+    xin = _permute_k(xin, bk1) if int4 else xin
     ip = triton.cdiv(inter, bk2) * bk2 if int4 else inter
     h = torch.zeros(nb * bm, ip, dtype=torch.bfloat16, device=x.device)
     _moe_up_kernel[(nb * triton.cdiv(inter, cfg["BN1"]),)](

@@ -126,8 +126,8 @@ def _combine_kernel(
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
-    m = -1.0e30
-    den = 0.0
+    m = tl.full([], -1.0e30, dtype=tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([R], dtype=tl.float32)
     for s in range(NSPLIT):
         lse = tl.load(plse_ptr + row * NSPLIT + s)

@@ -1,0 +1,127 @@
+"""Tree-verify MLA attention vs its byte and FLOP floors, and vs torch SDPA with an explicit mask.
+
+Per rank at tp=8: 8 heads, latent 512 + rope 64, bf16. Streams x budgets x prefixes; each stream
+verifies budget + 1 rows (root + tree) over a prefix of the given length, random tree shapes.
+Floors: bytes = each stream's keys once (576 bf16 each) + queries + outputs + slot ids + mask;
+FLOPs = 2 x (576 + 512) per (query row, head, key). Both ceilings are measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from _util import (
+    copy_bandwidth_gbs,
+    device,
+    environment,
+    matmul_tflops,
+    rel_err,
+    time_ms,
+    write_json,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from _tree_inputs import random_meta  # noqa: E402
+
+from ddserve.kernels.tree_attn import TreeAttnMeta  # noqa: E402
+from ddserve.kernels.tree_attn_triton import tree_mla_attention  # noqa: E402
+
+SCALE = 0.144680
+VARIANTS = [
+    {},
+    {"BM": 32},
+    {"BM": 16, "num_warps": 4},
+    {"BN": 64},
+    {"BM": 64, "BN": 64},
+    {"num_stages": 3},
+    {"BM": 32, "num_warps": 8},
+]
+
+
+def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:
+    """Plain torch: gather each stream's keys (prefix, then block), pad, SDPA with a bool mask."""
+    b, p_max = meta.prefix_slots.shape
+    q_max = meta.block_mask.shape[1]
+    t, h = q_lat.shape[:2]
+    dev = q_lat.device
+    rows = (meta.q_starts[:, None] + torch.arange(q_max, device=dev)).clamp_max(t - 1)  # [B, Q]
+    slots = torch.cat([meta.prefix_slots, meta.block_slots[rows]], dim=1)  # [B, L]
+    keys = kv[slots]  # [B, L, R+P]
+    q = torch.cat([q_lat, q_pe], dim=-1)[rows].transpose(1, 2)  # [B, H, Q, R+P]
+    pre = torch.arange(p_max, device=dev)[None, None, :] < meta.prefix_lens[:, None, None]
+    blk = meta.block_mask | torch.eye(q_max, dtype=torch.bool, device=dev)  # padded rows see self
+    mask = torch.cat([pre.expand(b, q_max, p_max), blk], dim=2)[:, None]  # [B, 1, Q, L]
+    k = keys[:, None].expand(b, h, *keys.shape[1:])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, k[..., :r], attn_mask=mask, scale=SCALE
+    )  # [B, H, Q, R]
+    return out.transpose(1, 2)  # [B, Q, H, R]
+
+
+def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev) -> dict:
+    ql = budget + 1 if budget else 1
+    slots = nb * (pl + ql) + 64
+    meta = random_meta([pl] * nb, [ql] * nb, slots, seed=nb * 1000 + ql).to(dev)
+    t = nb * ql
+    q_lat = torch.randn(t, h, r, device=dev).to(torch.bfloat16)
+    q_pe = torch.randn(t, h, p, device=dev).to(torch.bfloat16)
+    kv = torch.randn(slots, r + p, device=dev).to(torch.bfloat16)
+    nbytes = nb * (pl + ql) * (r + p) * 2 + t * h * (r + p + r) * 2 + nb * (pl + ql) * 8
+    flops = nb * ql * h * (pl + ql) * 2 * (r + p + r)
+    floor_ms = max(nbytes / bw / 1e6, flops / peak / 1e9)
+    row = dict(streams=nb, budget=budget, q_len=ql, prefix=pl, bytes=nbytes, flops=flops)
+    row["floor_ms"] = floor_ms
+    row["bound"] = "bytes" if nbytes / bw / 1e6 >= flops / peak / 1e9 else "flops"
+
+    def triton_path(config=None):
+        return tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config)
+
+    out = triton_path()
+    row["ms"] = time_ms(triton_path)
+    row["floor_over_time"] = floor_ms / row["ms"]
+    try:
+        ref = sdpa_path(q_lat, q_pe, kv, meta, r)
+        row["err_vs_sdpa"] = rel_err(out.view(nb, ql, h, r), ref)
+        row["sdpa_ms"] = time_ms(lambda: sdpa_path(q_lat, q_pe, kv, meta, r))
+        row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ms"]
+    except RuntimeError as e:  # e.g. out of memory for the padded torch path
+        row["sdpa_error"] = str(e)[:200]
+    if sweep:
+        row["variants"] = [dict(config=c, ms=time_ms(lambda c=c: triton_path(c))) for c in VARIANTS]
+        best = min(row["variants"], key=lambda v: v["ms"])
+        row["best_config"], row["best_ms"] = best["config"], best["ms"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    dev = device()
+    h, r, p = (2, 32, 16) if args.smoke else (8, 512, 64)
+    streams, budgets, prefixes = (
+        ([2], [8], [64]) if args.smoke else ([1, 5, 10], [8, 16, 32, 64], [1024, 8192, 32768])
+    )
+    cases = [(b, q, pl) for b in streams for q in budgets for pl in prefixes]
+    cases += [] if args.smoke else [(b, 0, pl) for b in (1, 10) for pl in (8192, 32768)]  # decode
+    bw, peak = copy_bandwidth_gbs(), matmul_tflops()
+    res = dict(env=environment(), copy_gbs=bw, bf16_tflops=peak, heads=h, latent=r, rope=p, rows=[])
+    print(f"copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
+    for nb, budget, pl in cases:
+        row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev)
+        res["rows"].append(row)
+        print(f"B={nb:2d} budget={budget:2d} prefix={pl:5d}: {row['ms'] * 1e3:8.1f} us "
+              f"floor {row['floor_ms'] * 1e3:7.1f} us ({row['bound']}, "
+              f"{row['floor_over_time']:.2f}) "
+              f"best {row.get('best_ms', 0) * 1e3:7.1f} sdpa {row.get('sdpa_ms', 0) * 1e3:8.1f} us "
+              f"err {row.get('err_vs_sdpa', -1):.1e}")  # fmt: skip
+    write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
