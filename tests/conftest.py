@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random checkpoints of the target architecture, written once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddserve.model.tiny import make_tiny
+
+# Tiny shapes gain nothing from intra-op threads, and on a shared 2-core CI machine extra threads
+# oversubscribe the cores (10x slower measured). An explicit OMP_NUM_THREADS still wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (seed 0) with bf16 routed experts."""
+    return make_tiny(tmp_path_factory.mktemp("tiny_bf16"), int4=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (seed 0) with compressed-tensors INT4 routed experts."""
+    return make_tiny(tmp_path_factory.mktemp("tiny_int4"), int4=True, seed=0)
