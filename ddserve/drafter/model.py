@@ -28,6 +28,7 @@ from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary
+from ddserve.engine.drafter import Drafter
 
 KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
 
@@ -84,11 +85,12 @@ class DFlashModel(nn.Module):
         return self.norm(x)
 
 
-class DFlashDrafter:
+class DFlashDrafter(Drafter):
     """DFlash behind the engine's Drafter seam: add_stream / commit / draft / remove_stream.
 
-    `max_context` bounds the context of drafters with a full-attention layer; drafters whose every
-    layer slides keep only `sliding_window` entries per stream and ignore it."""
+    Each stream keeps a ring of `min(sliding_window, max_context)` context entries when every
+    layer slides (older entries are invisible anyway), else of `max_context` (required then: the
+    most tokens a stream can hold, e.g. the KV pool size)."""
 
     def __init__(
         self,
@@ -103,9 +105,11 @@ class DFlashDrafter:
         self.capture_layers = tuple(sorted(set(cfg.target_layer_ids)))
         order = [self.capture_layers.index(i) for i in cfg.target_layer_ids]
         self._order = None if order == list(range(len(order))) else order
-        capacity = cfg.context_window or max_context
-        if capacity is None:
+        bounds = [c for c in (cfg.context_window, max_context) if c is not None]
+        if not bounds:
             raise ValueError("a drafter with full-attention layers needs max_context")
+        capacity = min(bounds)
+        self._exact_ring = capacity == cfg.context_window  # wrapping drops only unseen entries
         w = model.fc.weight
         self.cache = ContextCache(
             cfg.num_hidden_layers,
@@ -120,7 +124,7 @@ class DFlashDrafter:
     def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None:
         self.cache.add(sid)
         try:
-            self.commit(sid, prompt_ids, hidden)
+            self._append(sid, prompt_ids, hidden)
         except Exception:
             self.cache.remove(sid)
             raise
@@ -128,15 +132,18 @@ class DFlashDrafter:
     def remove_stream(self, sid: Hashable) -> None:
         self.cache.remove(sid)
 
-    @torch.inference_mode()
     def commit(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
         """Append committed tokens' captured hidden states [T, len(capture_layers)*H]."""
+        self._append(sid, token_ids, hidden)
+
+    @torch.inference_mode()
+    def _append(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
         t = len(token_ids)
         if hidden is None or hidden.shape[0] != t:
             got = None if hidden is None else tuple(hidden.shape)
             raise ValueError(f"DFlash commit of {t} tokens needs their hidden states, got {got}")
         n = self.cache.length(sid)
-        if self.cfg.context_window is None and n + t > self.cache.capacity:
+        if not self._exact_ring and n + t > self.cache.capacity:
             raise ValueError(f"drafter context {n + t} exceeds max_context {self.cache.capacity}")
         keep = min(t, self.cache.capacity)  # older rows would be overwritten within this chunk
         hidden = self._reorder(hidden[t - keep :])  # [keep, k*H]

@@ -11,13 +11,15 @@ from safetensors.torch import save_file
 
 from ddserve.drafter.config import DrafterConfig, build_target_layer_ids
 from ddserve.drafter.model import DFlashModel
+from ddserve.tokenizer import SPECIALS
 
 if TYPE_CHECKING:
     from ddserve.config import ModelConfig
 
-# `<|mask|>` of the tiny byte tokenizer: 256 byte tokens, then <|bos|> <|eos|> <|im_start|>
-# <|im_end|> <|mask|> (ddserve/tokenizer.py, write_byte_tokenizer).
-TINY_MASK_TOKEN_ID = 260
+# `<|mask|>` of the tiny byte tokenizer (256 byte tokens, then the specials): 260.
+TINY_MASK_TOKEN_ID = 256 + SPECIALS.index("<|mask|>")
+# Small enough that the embedded model's per-stream context ring stays light; Kimi's is 2048.
+TINY_SLIDING_WINDOW = 256
 
 
 def tiny_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -35,7 +37,7 @@ def tiny_drafter_config(
     target_cfg: ModelConfig,
     num_layers: int = 2,
     block_size: int = 8,
-    sliding_window: int | None = 2048,
+    sliding_window: int | None = TINY_SLIDING_WINDOW,
     mask_token_id: int = TINY_MASK_TOKEN_ID,
 ) -> dict[str, Any]:
     """config.json of a tiny drafter: Qwen3 layout, YaRN rope, every layer sliding (if a window)."""
@@ -85,7 +87,7 @@ def write_tiny_drafter(
     out_dir: str | Path,
     target_cfg: ModelConfig,
     seed: int = 0,
-    sliding_window: int | None = 2048,
+    sliding_window: int | None = TINY_SLIDING_WINDOW,
     block_size: int = 8,
     num_layers: int = 2,
 ) -> Path:
