@@ -1,0 +1,32 @@
+"""Engine settings (one frozen dataclass, identical on every tensor-parallel rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """num_slots: KV pool size in tokens. budget: DDTree nodes per stream per step (the root is
+    extra). prefill_chunk: most prompt tokens per prefill forward. seed: base of the per-stream
+    seeds of requests without one (the same on every rank)."""
+
+    num_slots: int = 8192
+    budget: int = 16
+    prefill_chunk: int = 512
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.budget < 1 or self.prefill_chunk < 1 or self.num_slots < 1:
+            raise ValueError("budget, prefill_chunk and num_slots must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,178 @@
+"""Offline generation API (`from ddserve import LLM, SamplingParams`) and `ddserve generate`."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddserve.engine.config import EngineConfig
+from ddserve.engine.drafter import Drafter
+from ddserve.engine.runner import ModelRunner
+from ddserve.kvcache import OutOfSlots
+from ddserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_tokenizer(path: Path):
+    try:
+        from ddserve.tokenizer import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+
+
+class LLM:
+    """Offline engine. `drafter` is a Drafter instance or a DFlash drafter directory; without one,
+    generation is autoregressive. tp > 1 runs ranks 1.. in spawned gloo worker processes."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        drafter: Drafter | str | Path | None = None,
+        tp: int = 1,
+        budget: int = 16,
+        device: str | None = None,
+        num_slots: int = 4096,
+        dtype: str = "bfloat16",
+        prefill_chunk: int = 512,
+        max_streams: int = 16,
+        seed: int | None = None,
+    ) -> None:
+        if model_path is None:
+            from ddserve.model.tiny import default_model_dir
+
+            model_path = default_model_dir()
+        self.model_path = Path(model_path)
+        seed = random.randrange(2**31) if seed is None else seed
+        cfg = EngineConfig(num_slots, budget, prefill_chunk, dtype, seed)
+        kwargs = dict(model_path=self.model_path, engine_cfg=cfg, drafter=drafter, device=device)
+        self.max_streams, self.tp, self._next_sid = max_streams, tp, 0
+        self._group = None
+        if tp > 1:
+            from ddserve.engine.tp import TPGroup
+
+            self._group = TPGroup(tp, kwargs)
+            self.runner = self._group.runner
+        else:
+            self.runner = ModelRunner(**kwargs)
+        self.tokenizer = _load_tokenizer(self.model_path)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._group is not None:
+            return self._group.call(name, *args)
+        return getattr(self.runner, name)(*args)
+
+    @property
+    def free_slots(self) -> int:
+        return self.runner.free_slots
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"no tokenizer in {self.model_path}; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        speculative: bool = True,
+    ) -> list[GenerationOutput]:
+        """One output per prompt, in order. Streams are admitted up to max_streams at a time and
+        as KV slots allow; DDTree steps when speculative and a drafter is set, else AR steps."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        outs = [GenerationOutput(self.encode(p)) for p in prompts]
+        for o in outs:
+            o.stats.update(steps=0, mean_committed=0.0, committed_per_step=[])
+        step = "ddtree_step" if speculative and self.runner.drafter is not None else "ar_step"
+        forwards0 = self.runner.target_forwards
+        queue, active = deque(range(len(outs))), {}
+        while queue or active:
+            while queue and len(active) < self.max_streams:
+                i, sid = queue[0], self._new_sid()
+                try:
+                    self._call("add_stream", sid, outs[i].prompt_token_ids, plist[i])
+                except OutOfSlots:
+                    if not active:
+                        raise
+                    break
+                queue.popleft()
+                active[sid] = i
+            self._collect(self._call("prefill"), active, outs)
+            ready = [s for s in active if self.runner.streams[s].prefilled]
+            if ready:
+                self._collect(self._call(step, ready), active, outs, decode=True)
+        forwards = self.runner.target_forwards - forwards0
+        for o in outs:
+            o.stats["target_forwards"] = forwards
+            if self.tokenizer is not None:
+                o.text = self.tokenizer.decode(o.token_ids)
+        return outs
+
+    def _new_sid(self) -> int:
+        self._next_sid += 1
+        return self._next_sid
+
+    def _collect(self, step_outs: dict, active: dict, outs: list, decode: bool = False) -> None:
+        for sid, so in step_outs.items():
+            o = outs[active[sid]]
+            o.token_ids.extend(so.tokens)
+            if decode:
+                c = o.stats.setdefault("committed_per_step", [])
+                c.append(len(so.tokens))
+                o.stats["steps"], o.stats["mean_committed"] = len(c), sum(c) / len(c)
+            if so.finished:
+                o.finish_reason = so.finished
+                del active[sid]
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(args) -> int:
+    """`ddserve generate`: print each completion; stats go to stderr."""
+    logging.basicConfig(level=logging.WARNING)
+    llm = LLM(args.model, drafter=args.drafter, tp=args.tp, budget=args.budget, device=args.device)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        outs = llm.generate(args.prompt, params, speculative=not args.no_speculative)
+        for o in outs:
+            print(o.text if o.text is not None else o.token_ids)
+            print(
+                f"[{len(o.token_ids)} tokens, {o.stats['steps']} steps, "
+                f"{o.stats['mean_committed']:.2f} tokens/step, finish={o.finish_reason}]",
+                file=sys.stderr,
+            )
+    finally:
+        llm.close()
+    return 0

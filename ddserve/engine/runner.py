@@ -1,0 +1,272 @@
+"""ModelRunner: one tensor-parallel rank's engine (prefill, AR step, DDTree step). No Ray.
+
+Every rank runs the same calls in the same order. Bookkeeping decisions (sampled tokens, accepted
+path, stops) come from the all-gathered logits and per-(seed, step) hashed randomness, so every
+rank reaches the same state without talking. One device-to-host copy per step fetches them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from pathlib import Path
+
+import torch
+
+from ddserve.ddtree import accept, block_meta, build_tree, select_tokens, verify_inputs
+from ddserve.ddtree.verify import causal_masks
+from ddserve.engine.comm import Communicator, LocalComm
+from ddserve.engine.config import EngineConfig
+from ddserve.engine.drafter import Drafter
+from ddserve.engine.stream import StepOutput, Stream, stop_ids
+from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator
+from ddserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ModelRunner:
+    """Streams, KV slots and the target model of one rank.
+
+    Admission reserves each stream's worst case (prompt + max_tokens + budget + 1 slots), so a
+    running stream never runs out of slots; `add_stream` raises OutOfSlots instead, having
+    allocated nothing, and the caller queues the request.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        comm: Communicator | None = None,
+        engine_cfg: EngineConfig | None = None,
+        drafter: Drafter | str | Path | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        from ddserve.model.loader import load_model
+
+        self.cfg = engine_cfg or EngineConfig()
+        self.comm = comm or LocalComm()
+        self.device = torch.device(device or default_device())
+        self.model, self.model_cfg = load_model(
+            model_path, self.comm, self.cfg.torch_dtype, self.device, progress=False
+        )
+        mc = self.model_cfg
+        self.kv = LatentCache(
+            mc.num_hidden_layers,
+            self.cfg.num_slots,
+            mc.kv_latent_dim,
+            self.cfg.torch_dtype,
+            self.device,
+        )
+        self.allocator = SlotAllocator(self.cfg.num_slots)
+        self.drafter = self._make_drafter(drafter)
+        self.streams: dict[Hashable, Stream] = {}
+        self._reserved = 0
+        self._admitted = 0
+        self.target_forwards = 0
+
+    def _make_drafter(self, drafter: Drafter | str | Path | None) -> Drafter | None:
+        if drafter is None or isinstance(drafter, Drafter) or hasattr(drafter, "draft"):
+            return drafter  # type: ignore[return-value]
+        from ddserve.drafter import load_drafter
+
+        return load_drafter(
+            drafter, self.model_cfg, self.model, max_streams=64,
+            max_context=self.cfg.num_slots, dtype=self.cfg.torch_dtype, device=self.device,
+        )  # fmt: skip
+
+    # ---- admission -------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        return tuple(self.drafter.capture_layers) if self.drafter is not None else ()
+
+    def add_stream(self, sid: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a stream for prefill. Raises OutOfSlots (nothing reserved) if it cannot fit."""
+        if sid in self.streams:
+            raise ValueError(f"stream {sid!r} already exists")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        need = len(prompt_ids) + params.max_tokens + self.cfg.budget + 1
+        if self._reserved + need > self.cfg.num_slots:
+            free = self.cfg.num_slots - self._reserved
+            raise OutOfSlots(f"stream needs up to {need} KV slots; {free} unreserved")
+        seed = params.seed if params.seed is not None else hash((self.cfg.seed, self._admitted))
+        self._admitted += 1
+        self._reserved += need
+        eos = self.model_cfg.eos_token_id
+        self.streams[sid] = Stream(
+            sid, list(prompt_ids), params, seed & (2**62 - 1), need, stop_ids(params, eos)
+        )
+
+    def cancel(self, sid: Hashable) -> bool:
+        """Drop a stream in any state and free all its slots. False if unknown."""
+        st = self.streams.pop(sid, None)
+        if st is None:
+            return False
+        self.allocator.free(st.slots)
+        self._reserved -= st.reserved
+        if self.drafter is not None and st.prefilled:
+            self.drafter.remove_stream(sid)
+        return True
+
+    def _finish(self, outs: dict[Hashable, StepOutput]) -> dict[Hashable, StepOutput]:
+        for sid, out in outs.items():
+            if out.finished:
+                self.cancel(sid)
+        return outs
+
+    # ---- shared pieces ---------------------------------------------------------------------
+    def _forward(self, ids, positions, meta, absorbed: bool = True):
+        self.target_forwards += 1
+        return self.model(ids, positions, self.kv.pool, meta, self.capture, absorbed=absorbed)
+
+    def _sample(self, sts: list[Stream], logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, M, V] -> the target token at every row [B, M] (step = each stream's step)."""
+        dev = logits.device
+        params = [st.params for st in sts]
+        return select_tokens(
+            logits,
+            torch.tensor([p.temperature for p in params], device=dev),
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([st.seed for st in sts], device=dev),
+            torch.tensor([st.steps for st in sts], device=dev),
+            all_greedy=all(p.greedy for p in params),
+        )
+
+    def _active(self, sids: list[Hashable]) -> list[Stream]:
+        sts = [self.streams[s] for s in sids]
+        if not all(st.prefilled for st in sts):
+            raise RuntimeError("every stream must be prefilled before decoding")
+        return sts
+
+    # ---- prefill ---------------------------------------------------------------------------
+    @property
+    def pending_prefill(self) -> list[Hashable]:
+        return [sid for sid, st in self.streams.items() if not st.prefilled]
+
+    def prefill(self, max_chunks: int | None = None) -> dict[Hashable, StepOutput]:
+        """Prefill queued streams in forwards of at most `prefill_chunk` tokens; streams whose
+        prompt completes emit their first token (sampling step 0)."""
+        outs: dict[Hashable, StepOutput] = {}
+        chunks = 0
+        while self.pending_prefill and (max_chunks is None or chunks < max_chunks):
+            outs.update(self._prefill_chunk())
+            chunks += 1
+        return self._finish(outs)
+
+    def _prefill_chunk(self) -> dict[Hashable, StepOutput]:
+        budget, plan = self.cfg.prefill_chunk, []
+        for sid in self.pending_prefill:
+            st = self.streams[sid]
+            done = len(st.slots)
+            n = min(budget, len(st.prompt) - done)
+            plan.append((st, done, n))
+            budget -= n
+            if budget == 0:
+                break
+        new = [self.allocator.alloc(n) for _, _, n in plan]
+        ids = torch.tensor(
+            [t for st, d, n in plan for t in st.prompt[d : d + n]], device=self.device
+        )
+        pos = torch.tensor([p for _, d, n in plan for p in range(d, d + n)], device=self.device)
+        q_lens = [n for _, _, n in plan]
+        meta = block_meta(
+            q_lens, [st.slots for st, _, _ in plan], new, causal_masks(q_lens), self.device
+        )
+        out = self._forward(ids, pos, meta, absorbed=False)
+        ends = torch.tensor(q_lens).cumsum(0) - 1
+        complete = [i for i, (st, d, n) in enumerate(plan) if d + n == len(st.prompt)]
+        for (st, _, _), slots in zip(plan, new, strict=True):
+            st.slots.extend(slots)
+        self._prefill_hidden(plan, out.hidden, q_lens)
+        if not complete:
+            return {}
+        sts = [plan[i][0] for i in complete]
+        rows = ends[complete].to(self.device)
+        first = self._sample(sts, out.logits[rows][:, None, :])[:, 0].tolist()  # one D2H copy
+        outs = {}
+        for st, tok in zip(sts, first, strict=True):
+            if self.drafter is not None:
+                self.drafter.add_stream(st.sid, st.prompt, st.__dict__.pop("_hidden", None))
+            st.steps = 1
+            outs[st.sid] = st.emit([tok])
+        return outs
+
+    def _prefill_hidden(self, plan, hidden: torch.Tensor | None, q_lens: list[int]) -> None:
+        """Accumulate captured prompt hidden states until a stream's prompt is complete."""
+        if hidden is None:
+            return
+        for (st, _, _), h in zip(plan, hidden.split(q_lens), strict=True):
+            prev = st.__dict__.get("_hidden")
+            st.__dict__["_hidden"] = h if prev is None else torch.cat([prev, h])
+
+    # ---- decode ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def ar_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
+        """One target token per stream (q_len 1), through the same model and sampler."""
+        sts = self._active(sids)
+        new = [self.allocator.alloc(1) for _ in sts]
+        ids = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
+        pos = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
+        ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
+        meta = block_meta([1] * len(sts), [st.slots for st in sts], new, ones, self.device)
+        out = self._forward(ids, pos, meta)
+        toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
+        outs = {}
+        for i, (st, slot, tok) in enumerate(zip(sts, new, toks, strict=True)):
+            if self.drafter is not None:
+                h = out.hidden[i : i + 1] if out.hidden is not None else None
+                self.drafter.commit(st.sid, [st.output[-1]], h)
+            st.slots.extend(slot)
+            st.steps += 1
+            st.committed.append(1)
+            outs[st.sid] = st.emit([tok])
+        return self._finish(outs)
+
+    @torch.no_grad()
+    def ddtree_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
+        """Draft -> build -> verify (one forward over every stream's budget+1 nodes) -> accept
+        -> commit (keep the root's and accepted nodes' slots, free the rest)."""
+        if self.drafter is None:
+            raise RuntimeError("ddtree_step needs a drafter")
+        sts, n = self._active(sids), self.cfg.budget
+        bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
+        tree = build_tree(self.drafter.draft(list(sids), bonus), n)
+        blocks = [self.allocator.alloc(n + 1) for _ in sts]
+        prefix_lens = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
+        ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B*(N+1)] each
+        meta = block_meta(
+            [n + 1] * len(sts), [st.slots for st in sts], blocks, tree.visible, self.device
+        )
+        out = self._forward(ids, pos, meta)
+        target = self._sample(sts, out.logits.view(len(sts), n + 1, -1))  # [B, N+1]
+        acc = accept(tree, target)
+        packed = acc.packed().tolist()  # the step's one D2H copy
+        hidden = None
+        if out.hidden is not None:
+            h = out.hidden.view(len(sts), n + 1, -1)  # [B, N+1, C]
+            hidden = h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1]))  # [B, D+1, C]
+        width = acc.path.shape[1]
+        outs = {}
+        for i, (st, block) in enumerate(zip(sts, blocks, strict=True)):
+            k = packed[i][0]
+            path, toks = packed[i][1 : 1 + k], packed[i][1 + width : 1 + width + k]
+            keep = [block[r] for r in path]
+            kept = set(path)
+            self.allocator.free([s for r, s in enumerate(block) if r not in kept])
+            st.slots.extend(keep)
+            self.drafter.commit(
+                st.sid, [st.output[-1]] + toks[:-1], hidden[i, :k] if hidden is not None else None
+            )
+            st.steps += 1
+            st.committed.append(k)
+            outs[st.sid] = st.emit(toks)
+        return self._finish(outs)

@@ -1,0 +1,76 @@
+"""Tensor parallelism for the offline API on one host: rank 0 in this process, ranks 1..tp-1 in
+spawned worker processes. Each worker holds its own ModelRunner and replays rank 0's calls in
+order; the model's collectives (gloo on CPU) keep the ranks in lockstep."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import traceback
+from typing import Any
+
+from ddserve.engine.comm import Communicator, GlooComm
+from ddserve.kvcache import OutOfSlots
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, init: str, runner_kwargs: dict, inbox: Any) -> None:
+    from ddserve.engine.runner import ModelRunner
+
+    comm = GlooComm(rank, world, init)
+    try:
+        runner = ModelRunner(comm=comm, **runner_kwargs)
+        while True:
+            name, args = inbox.get()
+            if name == "close":
+                break
+            try:
+                getattr(runner, name)(*args)
+            except OutOfSlots:  # rank 0 sees the same and handles it
+                pass
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        comm.close()
+
+
+class TPGroup:
+    """Starts the workers and fans every runner call out to them before running it locally."""
+
+    def __init__(self, tp: int, runner_kwargs: dict) -> None:
+        from ddserve.engine.runner import ModelRunner
+
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self._inboxes = [ctx.Queue() for _ in range(1, tp)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, tp, init, runner_kwargs, q), daemon=True)
+            for r, q in zip(range(1, tp), self._inboxes, strict=True)
+        ]
+        for p in self._procs:
+            p.start()
+        self.comm: Communicator = GlooComm(0, tp, init)
+        self.runner = ModelRunner(comm=self.comm, **runner_kwargs)
+
+    def call(self, name: str, *args: Any) -> Any:
+        for q in self._inboxes:
+            q.put((name, args))
+        return getattr(self.runner, name)(*args)
+
+    def close(self) -> None:
+        for q in self._inboxes:
+            q.put(("close", ()))
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self.comm.close()
