@@ -1,0 +1,271 @@
+"""Router actor: the request queue, stream admission and the step loop over the shards.
+
+The EngineClient seam as a Ray actor: `generate` (a streaming method), `abort`, `stats`.
+Requests wait in a bounded queue (full: QueueFull, the HTTP layer answers 429); up to
+`max_streams` run at once. A dedicated thread runs the step loop: each iteration sends one
+Command to every shard (cancel aborted streams, admit queued ones, one prefill chunk, one
+decode step over the prefilled streams) and hands each stream's new tokens to its request's
+asyncio queue on the actor's event loop. A failing shard marks the router dead: in-flight and
+queued requests fail with EngineDead at once, and so does every later request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from ddserve.actors.client import EngineDead, QueueFull, RequestRejected, TokenDelta
+from ddserve.actors.shard import Command, CommandResult, ShardSpec
+from ddserve.actors.stats import EngineStats
+from ddserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """budgets: the tree budget of each bucket (None: `shard.budget` for all). A batch of n
+    streams is padded to the smallest bucket >= n."""
+
+    shard: ShardSpec
+    speculative: bool = True
+    max_streams: int = 10
+    max_queue: int = 64
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    budgets: tuple[int, ...] | None = None
+    control: str = "compiled"  # or "fanout"; see shard_group.py
+    shard_cpus: float = 0.1
+    step_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_streams <= max(self.buckets):
+            raise ValueError(f"max_streams must be in [1, {max(self.buckets)}] (largest bucket)")
+        if self.budgets is not None and len(self.budgets) != len(self.buckets):
+            raise ValueError("budgets needs one entry per bucket")
+        if self.budgets is not None and max(self.budgets) > self.shard.budget:
+            raise ValueError("per-bucket budgets cannot exceed the engine budget (KV reservation)")
+
+    def bucket(self, n: int) -> tuple[int, int]:
+        """(padded batch size, tree budget) for n active streams."""
+        i = next(i for i, b in enumerate(self.buckets) if b >= n)
+        return self.buckets[i], (self.budgets[i] if self.budgets else self.shard.budget)
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    out: asyncio.Queue
+    started: bool = False  # the prefill emitted its first token
+
+
+@dataclass
+class _Shared:
+    """State the event loop and the step thread share (guarded by `lock`)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wake: threading.Event = field(default_factory=threading.Event)
+    waiting: deque = field(default_factory=deque)  # _Request, arrival order
+    aborted: set = field(default_factory=set)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.info: dict = {}
+        self._s = _Shared()
+        self._engine: dict[str, _Request] = {}  # admitted streams (step thread only)
+        self._stats = EngineStats()
+        self._kv_used = 0
+        self._error: str | None = None
+        self._stopping = False
+        self._shards: list = []
+        self._group = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> dict:
+        """Place the shards, wire their communicator, load the model, start the step loop."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ddserve.actors.shard import ShardWorker
+        from ddserve.actors.shard_group import make_group
+
+        spec, gpu = self.cfg.shard, self.cfg.shard.device.startswith("cuda")
+        bundle = {"CPU": self.cfg.shard_cpus, **({"GPU": 1} if gpu else {})}
+        pg = placement_group([bundle] * spec.world_size, strategy="STRICT_PACK" if gpu else "PACK")
+        await pg.ready()
+        actor = ray.remote(ShardWorker)
+        self._shards = [
+            actor.options(
+                num_cpus=self.cfg.shard_cpus,
+                num_gpus=1 if gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
+            ).remote(i, spec)
+            for i in range(spec.world_size)
+        ]
+        comm_id = await self._shards[0].make_comm_id.remote()
+        infos = await asyncio.gather(*[s.setup.remote(comm_id) for s in self._shards])
+        self.info = {**infos[0], "speculative": self.cfg.speculative and infos[0]["speculative"]}
+        self._group = make_group(self.cfg.control, self._shards, self.cfg.step_timeout_s)
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True).start()
+        return self.info
+
+    async def shards(self) -> list:
+        """The shard actor handles, in rank order (diagnostics and fault-injection tests)."""
+        return list(self._shards)
+
+    def shutdown(self) -> None:
+        """Stop the step loop and release the shards (their devices)."""
+        import ray
+
+        self._stopping = True
+        self._s.wake.set()
+        if self._group is not None:
+            self._group.close()
+        for s in self._shards:
+            ray.kill(s)
+
+    # ---- EngineClient ----------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        """Streaming: an empty ack once queued, then deltas; the last has finish_reason."""
+        req = _Request(request_id, list(prompt_ids), params, asyncio.Queue())
+        with self._s.lock:
+            if self._error:
+                raise EngineDead(self._error)
+            if len(self._s.waiting) >= self.cfg.max_queue:
+                raise QueueFull(f"request queue is full ({len(self._s.waiting)} waiting)", 1.0)
+            self._s.waiting.append(req)
+        self._s.wake.set()
+        finished = False
+        try:
+            yield TokenDelta()
+            while not finished:
+                item = await req.out.get()
+                tokens, reason = [], None
+                while True:  # coalesce what is already there
+                    if isinstance(item, Exception):
+                        raise item
+                    tokens += item.token_ids
+                    reason = item.finish_reason
+                    if reason is not None or req.out.empty():
+                        break
+                    item = req.out.get_nowait()
+                finished = reason is not None
+                yield TokenDelta(tokens, reason)
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._s.lock:
+            self._s.aborted.add(request_id)
+        self._s.wake.set()
+
+    async def stats(self) -> dict:
+        with self._s.lock:
+            queued = len(self._s.waiting)
+        return {
+            "healthy": self._error is None,
+            "error": self._error,
+            "queue_depth": queued,
+            "active_streams": len(self._engine),
+            "kv_slots_used": self._kv_used,
+            "kv_slots_total": self.cfg.shard.num_slots,
+            "control": self.cfg.control,
+            **self._stats.snapshot(),
+        }
+
+    # ---- step loop (its own thread) --------------------------------------------------------
+    def _step_loop(self) -> None:
+        while not self._stopping:
+            cmd = self._next_command()
+            if cmd is None:
+                self._s.wake.wait(timeout=1.0)
+                self._s.wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                res = self._group.run(cmd)
+            except Exception as e:  # noqa: BLE001 - any shard failure is fatal to the replica
+                self._fail(e)
+                return
+            self._apply(cmd, res, time.perf_counter() - t0)
+
+    def _next_command(self) -> Command | None:
+        with self._s.lock:
+            aborted, self._s.aborted = self._s.aborted, set()
+            if aborted:
+                self._s.waiting = deque(r for r in self._s.waiting if r.rid not in aborted)
+            room = self.cfg.max_streams - len(self._engine)
+            add = [self._s.waiting.popleft() for _ in range(min(room, len(self._s.waiting)))]
+        cancel = [rid for rid in aborted if self._engine.pop(rid, None) is not None]
+        step = [rid for rid, r in self._engine.items() if r.started]
+        pending = len(step) < len(self._engine) or bool(add)
+        if not (cancel or add or pending or step):
+            return None
+        for r in add:
+            self._engine[r.rid] = r
+        bucket, budget = self.cfg.bucket(max(len(step), 1))
+        return Command(
+            cancel=tuple(cancel),
+            add=tuple((r.rid, r.prompt, r.params) for r in add),
+            prefill=pending,
+            step=tuple(step),
+            speculative=self.info["speculative"],
+            bucket=bucket,
+            budget=budget,
+        )
+
+    def _apply(self, cmd: Command, res: CommandResult, wall_s: float) -> None:
+        for rid, reason in res.rejected.items():
+            self._deliver(self._engine.pop(rid), RequestRejected(reason))
+        if res.deferred:
+            back = [self._engine.pop(rid) for rid in res.deferred]
+            with self._s.lock:
+                self._s.waiting.extendleft(reversed(back))
+        for rid, out in res.outputs.items():
+            req = self._engine.get(rid)
+            if req is None:
+                continue  # cancelled meanwhile
+            req.started = True
+            self._deliver(req, TokenDelta(list(out.tokens), out.finished))
+            if out.finished:
+                del self._engine[rid]
+        self._kv_used = res.kv_slots_used
+        if cmd.step:
+            committed = sum(len(res.outputs[r].tokens) for r in cmd.step if r in res.outputs)
+            self._stats.record_step(len(cmd.step), committed, wall_s, res.busy_s)
+
+    def _deliver(self, req: _Request, item: TokenDelta | Exception) -> None:
+        self._loop.call_soon_threadsafe(req.out.put_nowait, item)
+
+    def _fail(self, e: Exception) -> None:
+        import ray
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        with self._s.lock:
+            self._error = f"a tensor-parallel shard failed ({type(e).__name__}: {first})"
+            doomed = list(self._engine.values()) + list(self._s.waiting)
+            self._s.waiting.clear()
+        self._engine.clear()
+        log.error("router: %s; failing %d requests", self._error, len(doomed))
+        for req in doomed:
+            self._deliver(req, EngineDead(self._error))
+        self._group.close()
+        for s in self._shards:  # release devices; survivors may be stuck in a collective
+            ray.kill(s)
+
+
+def with_overrides(cfg: RouterConfig, **shard: object) -> RouterConfig:
+    return replace(cfg, shard=replace(cfg.shard, **shard))

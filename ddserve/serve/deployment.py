@@ -1,0 +1,143 @@
+"""The Ray Serve application: a FastAPI ingress whose replica owns one Router (and its shards).
+
+`build_app(args)` is the application builder `serve run` / `serve deploy` call with the
+`args:` of deploy/serve_config.yaml; `ddserve serve` calls it too. One Serve replica = one model
+replica (tp shards); scale out with `num_replicas`. A replica whose router has lost a shard
+fails its health check, so Serve replaces it (and with it the router and the shards).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from ddserve.actors.router import RouterConfig
+from ddserve.actors.shard import ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+class ServeConfig(BaseModel):
+    """Deployment arguments (validated at the edge, then turned into frozen dataclasses)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None  # checkpoint directory; None: the embedded tiny model
+    drafter: str | None = None  # DFlash drafter directory; None: the model's own `drafter/`
+    served_model_name: str | None = None  # default: the checkpoint directory's name
+    tp: int | None = Field(None, ge=1)  # None: 2 on CPU, every GPU of one node
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 GPU, fp32 CPU
+    speculative: bool = True
+    max_streams: int = Field(10, ge=1, le=16)
+    max_queue: int = Field(64, ge=0)
+    budget: int = Field(16, ge=1)
+    buckets: list[int] = [1, 2, 4, 8, 12, 16]
+    budgets: list[int] | None = None
+    num_slots: int = Field(32768, ge=64)
+    prefill_chunk: int = Field(512, ge=1)
+    seed: int = 0
+    control: Literal["compiled", "fanout"] = "compiled"
+    shard_cpus: float = Field(0.1, gt=0)
+
+    def resolve(self) -> tuple[RouterConfig, str]:
+        """(RouterConfig, served model name), filling defaults from the running Ray cluster."""
+        import ray
+
+        model = Path(self.model) if self.model else _default_model()
+        drafter = self.drafter
+        if drafter is None and (model / "drafter" / "config.json").exists():
+            drafter = str(model / "drafter")
+        device = self.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+        tp = self.tp or (2 if device == "cpu" else _gpus_per_node())
+        dtype = (
+            self.dtype if self.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+        )
+        spec = ShardSpec(
+            model_path=str(model), world_size=tp, drafter_path=drafter, device=device,
+            num_slots=self.num_slots, budget=max([self.budget, *(self.budgets or [])]),
+            prefill_chunk=self.prefill_chunk, dtype=dtype, seed=self.seed,
+            max_streams=self.max_streams,
+        )  # fmt: skip
+        cfg = RouterConfig(
+            shard=spec,
+            speculative=self.speculative and drafter is not None,
+            max_streams=self.max_streams,
+            max_queue=self.max_queue,
+            buckets=tuple(self.buckets),
+            budgets=tuple(self.budgets) if self.budgets else None,
+            control=self.control,
+            shard_cpus=self.shard_cpus,
+        )
+        return cfg, self.served_model_name or model.name
+
+
+def _default_model() -> Path:
+    from ddserve.model.tiny import default_model_dir
+
+    return default_model_dir()
+
+
+def _gpus_per_node() -> int:
+    import ray
+
+    return int(max(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]))
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0.1},
+    max_ongoing_requests=1024,
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+)
+@serve.ingress()
+class OpenAIServer:
+    async def __init__(self, config: dict[str, Any]) -> None:
+        from ddserve.actors.remote import RayEngineClient, start_router
+        from ddserve.serve.app import ServedModel
+        from ddserve.tokenizer import Tokenizer
+
+        cfg, name = ServeConfig.model_validate(config).resolve()
+        replica = serve.get_replica_context().replica_id.unique_id
+        self._router, info = await start_router(cfg, name=f"ddserve-router-{replica}")
+        ctx = min(info["max_position_embeddings"], cfg.shard.num_slots - cfg.shard.budget - 1)
+        tok = Tokenizer.from_dir(cfg.shard.model_path)
+        self._model = ServedModel(name, ctx, tok)
+        self._engine = RayEngineClient(self._router)
+        log.info(
+            "ddserve replica %s: %s tp=%d on %s, speculative=%s, control=%s",
+            replica,
+            name,
+            cfg.shard.world_size,
+            cfg.shard.device,
+            info["speculative"],
+            cfg.control,
+        )
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from ddserve.serve.app import create_app
+
+        return create_app(self._engine, self._model)
+
+    async def check_health(self) -> None:
+        stats = await self._engine.stats()
+        if not stats.get("healthy", True):
+            raise RuntimeError(stats.get("error") or "engine unhealthy")
+
+    async def __del__(self) -> None:
+        try:
+            await self._router.shutdown.remote()
+        except Exception:  # noqa: BLE001 - the router may already be gone
+            pass
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Application builder: `serve run ddserve.serve.app:build_app model=/path tp=8`."""
+    ServeConfig.model_validate(args)  # fail fast, before any replica starts
+    return OpenAIServer.bind(dict(args))

@@ -1,0 +1,291 @@
+"""End to end: the README's `ddserve serve` (embedded tiny model, tp=2 over gloo, real Ray Serve)
+on 127.0.0.1, driven by the unmodified `openai` client and raw HTTP.
+
+The server starts once for the module (~30-40 s on 2 cores). Expected text comes from
+ModelRunner's plain autoregressive greedy decoding in this process (tp=1, float32: the server's
+CPU dtype), not from the serving code. The dead-shard test runs last: it breaks the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    exe = (
+        [shutil.which("ddserve")] if shutil.which("ddserve") else [sys.executable, "-m", "ddserve"]
+    )
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.Popen([*exe, "serve", "--port", str(port)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    ready, lines = threading.Event(), []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ddserve: serving on"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if not ready.wait(STARTUP_S):
+            pytest.fail("server did not start:\n" + "".join(lines[-40:]))
+        gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
+        yield f"http://127.0.0.1:{port}", gcs
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this fixture started
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """greedy(prompt_ids, max_tokens) -> (token ids, finish) from a tp=1 float32 ModelRunner."""
+    import torch
+
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.runner import ModelRunner
+    from ddserve.model.tiny import default_model_dir
+    from ddserve.sampling import SamplingParams
+    from ddserve.tokenizer import Tokenizer
+
+    torch.set_num_threads(1)
+    path = default_model_dir()
+    runner = ModelRunner(path, engine_cfg=EngineConfig(num_slots=8192, dtype="float32"),
+                         device="cpu")  # fmt: skip
+    counter = iter(range(10**6))
+
+    def greedy(ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+        sid = next(counter)
+        runner.add_stream(sid, ids, SamplingParams(max_tokens=max_tokens))
+        out = runner.prefill()[sid]
+        toks = list(out.tokens)
+        while out.finished is None:
+            out = runner.ar_step([sid])[sid]
+            toks += out.tokens
+        return toks, out.finished
+
+    greedy.tok = Tokenizer.from_dir(path)
+    return greedy
+
+
+def _metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while True:
+        m = _metrics(url)
+        idle = m["ddserve_kv_slots_used"] == 0 and m["ddserve_active_streams"] == 0
+        if (idle and m["ddserve_queue_depth"] == 0) or time.time() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def test_readme_serve_command_answers_a_streaming_request(url: str) -> None:
+    body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [ln for ln in r.iter_lines() if ln]
+    assert events[-1] == "data: [DONE]" and len(events) >= 2
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_completions_equal_greedy_autoregressive_output(client, model_name, reference) -> None:
+    prompt = "The quick brown fox"
+    toks, finish = reference(reference.tok.encode(prompt, add_bos=True), 24)
+    want = reference.tok.decode(toks)
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == finish
+    assert r.usage.completion_tokens == len(toks)
+    chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=24,
+                                            temperature=0, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_chat_completions_equal_greedy_autoregressive_output(client, model_name, reference):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = reference.tok.encode(reference.tok.apply_chat_template(msgs), add_bos=False)
+    toks, _ = reference(ids, 20)
+    want = reference.tok.decode(toks)
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=20,
+                                       temperature=0)  # fmt: skip
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=20,
+                                            temperature=0, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+
+
+def test_eight_concurrent_streams_finish_with_correct_output(url, model_name, reference) -> None:
+    prompts = [f"Request {i}: tell me about item {i * 7}." for i in range(8)]
+    lengths = [12 + 3 * i for i in range(8)]
+    want = [
+        reference(reference.tok.encode(p, add_bos=True), n)
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+
+    async def one(c: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, object]:
+        stream = await c.completions.create(model=model_name, prompt=prompt, max_tokens=n,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})  # fmt: skip
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(ch.text for ch in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def run_all() -> list:
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        return await asyncio.gather(*[one(c, p, n) for p, n in zip(prompts, lengths, strict=True)])
+
+    results = asyncio.run(run_all())
+    for p, (toks, _), (text, usage) in zip(prompts, want, results, strict=True):
+        assert text == reference.tok.decode(toks)
+        assert usage.prompt_tokens == len(reference.tok.encode(p, add_bos=True))
+        assert usage.completion_tokens == len(toks)
+    m = _wait_idle(url)
+    assert m["ddserve_kv_slots_used"] == 0 and m["ddserve_kv_slots_total"] > 0
+    assert m["ddserve_accepted_tokens_per_step"] >= 1.0
+    assert m["ddserve_committed_tokens_total"] >= sum(lengths) - 8  # prefill makes 1 each
+
+
+def _err(r: httpx.Response, status: int, *words: str) -> None:
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"].lower()
+    assert all(w.lower() in message for w in words), message
+
+
+def test_bad_inputs_get_4xx_with_a_clear_message(url: str, model_name: str) -> None:
+    post = lambda body: httpx.post(f"{url}/v1/completions", json={"model": model_name, **body})
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "x",',
+                   headers={"content-type": "application/json"})  # fmt: skip
+    _err(r, 400, "json")
+    _err(post({"prompt": "x", "max_tokens": "ten"}), 400, "max_tokens")
+    _err(post({"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+    _err(post({"prompt": "x", "max_tokens": 10**6}), 400, "max_tokens", "context")
+    _err(post({"prompt": "y" * 5000}), 400, "prompt", "context")
+    _err(post({"prompt": "x", "n": 3}), 400, "n=3")
+    _err(httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "nope")
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": model_name, "messages": "hi"})
+    _err(r, 400, "messages")
+
+
+def test_cancelled_streams_leave_no_kv_slot_in_use(url: str, model_name: str) -> None:
+    body = {"model": model_name, "prompt": "Cancel me", "max_tokens": 1500, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+    async def one(c: httpx.AsyncClient, wait_for_text: bool) -> None:
+        async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            if not wait_for_text:
+                return  # disconnect while possibly still queued
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"text":"' in line:
+                    return  # disconnect mid-stream
+
+    async def run_all() -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            await asyncio.gather(*[one(c, i % 2 == 0) for i in range(20)])
+
+    asyncio.run(run_all())
+    m = _wait_idle(url)
+    assert m["ddserve_kv_slots_used"] == 0
+    assert m["ddserve_active_streams"] == 0 and m["ddserve_queue_depth"] == 0
+    assert m['ddserve_requests_total{status="cancelled"}'] >= 20
+
+
+def test_server_keeps_serving_after_all_of_it(client, model_name, reference) -> None:
+    toks, _ = reference(reference.tok.encode("Still alive?", add_bos=True), 10)
+    r = client.completions.create(model=model_name, prompt="Still alive?", max_tokens=10,
+                                  temperature=0)  # fmt: skip
+    assert r.choices[0].text == reference.tok.decode(toks)
+
+
+def test_dead_shard_fails_in_flight_requests_promptly(server, client, model_name) -> None:
+    """Last: kills a shard. The open stream must end with a clear error, not hang."""
+    import ray
+
+    url, gcs = server
+    ray.init(address=gcs, logging_level="ERROR")
+    try:
+        name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("ddserve-router"))  # fmt: skip
+        router = ray.get_actor(name, namespace="ddserve")
+        shards = ray.get(router.shards.remote())
+        stream = client.completions.create(
+            model=model_name,
+            prompt="doomed",
+            max_tokens=1500,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        ray.kill(shards[1])
+        t0 = time.time()
+        with pytest.raises(openai.APIError, match="shard"):
+            for _ in stream:
+                pass
+        assert time.time() - t0 < 10
+    finally:
+        ray.shutdown()
+    r = httpx.get(f"{url}/health")
+    _err(r, 503, "shard")
+    r = httpx.post(f"{url}/v1/completions", json={"model": model_name, "prompt": "x"})
+    _err(r, 503, "shard")
