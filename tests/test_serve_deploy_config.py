@@ -1,0 +1,67 @@
+"""deploy/serve_config.yaml, cluster.yaml and the serve CLI flags, checked with Ray's schemas."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddserve.actors.router import RouterConfig
+from ddserve.actors.shard import ShardSpec
+from ddserve.cli import build_parser
+from ddserve.serve.deployment import ServeConfig
+from ddserve.serve.main import config_from_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_config_is_a_valid_serve_deploy_config() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(raw)  # fmt: skip
+    (app,) = schema.applications
+    module, attr = app.import_path.split(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    cfg = ServeConfig.model_validate(app.args)
+    assert cfg.tp == 8 and cfg.max_streams <= max(cfg.buckets)
+    assert [d.name for d in app.deployments] == ["OpenAIServer"]
+
+
+def test_cluster_yaml_passes_the_ray_launcher_schema() -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(raw))  # what `ray up` does before launching anything
+    workers = [
+        t for name, t in raw["available_node_types"].items() if name != raw["head_node_type"]
+    ]
+    assert any("p5e.48xlarge" in t["node_config"]["InstanceType"] for t in workers)
+    assert any("pip install -e" in c for c in raw["setup_commands"])
+
+
+def test_unknown_deployment_args_are_rejected() -> None:
+    with pytest.raises(ValueError, match="max_stream"):
+        ServeConfig.model_validate({"max_stream": 4})
+
+
+def test_serve_cli_flags_become_valid_deployment_args() -> None:
+    args = build_parser().parse_args(["serve", "--tp", "4", "--max-streams", "6", "--budget", "8",
+                                      "--no-speculative"])  # fmt: skip
+    cfg = ServeConfig.model_validate(config_from_args(args))
+    assert (cfg.tp, cfg.max_streams, cfg.budget, cfg.speculative) == (4, 6, 8, False)
+    assert config_from_args(build_parser().parse_args(["serve"])).get("model") is None
+
+
+def test_batches_pad_to_the_smallest_bucket_with_its_budget() -> None:
+    cfg = RouterConfig(ShardSpec("m", budget=16), buckets=(1, 2, 4, 8), budgets=(16, 12, 8, 4),
+                       max_streams=8)  # fmt: skip
+    assert [cfg.bucket(n) for n in (1, 2, 3, 4, 5, 8)] == [(1, 16), (2, 12), (4, 8), (4, 8),
+                                                           (8, 4), (8, 4)]  # fmt: skip
+    with pytest.raises(ValueError, match="max_streams"):
+        RouterConfig(ShardSpec("m"), buckets=(1, 2), max_streams=3)
+    with pytest.raises(ValueError, match="budget"):
+        RouterConfig(ShardSpec("m", budget=4), budgets=(8,) * 6)
