@@ -27,10 +27,10 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, comm: Communicator, rope, dtype, device):
+    def __init__(self, cfg: ModelConfig, i: int, comm: Communicator, dtype, device):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = MLA(cfg, comm, rope, dtype, device)
+        self.self_attn = MLA(cfg, comm, dtype, device)
         if cfg.is_moe_layer(i):
             self.mlp = MoE(cfg, comm, dtype, device)
         else:
@@ -44,12 +44,12 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, rope, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device) -> None:
         super().__init__()
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = VocabParallelEmbedding(v, d, comm, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, comm, rope, dtype, device) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, comm, dtype, device) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
 
@@ -68,7 +68,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.cfg, self.comm = cfg, comm or LocalComm()
         self.dtype, self.device = dtype, torch.device(device)
         self.rotary_emb = RotaryEmbedding(cfg, self.device)
-        self.model = DeepseekV3Model(cfg, self.comm, self.rotary_emb, dtype, self.device)
+        self.model = DeepseekV3Model(cfg, self.comm, dtype, self.device)
         v, d = cfg.vocab_size, cfg.hidden_size
         self.lm_head = ParallelLMHead(v, d, self.comm, dtype, self.device)
 

@@ -25,20 +25,20 @@ from ddserve.model.layers import (
     RowParallelLinear,
     shard_size,
 )
-from ddserve.model.rope import RotaryEmbedding
+from ddserve.model.rope import apply_rope
 
 LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, rope: RotaryEmbedding, dtype, device):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device):
         super().__init__()
         d, heads = cfg.hidden_size, cfg.num_attention_heads
         self.n_local = shard_size(heads, comm.world_size, "num_attention_heads")
         self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.v_dim = cfg.v_head_dim
         self.rank, self.scale = cfg.kv_lora_rank, cfg.softmax_scale
-        self.rope = [rope]  # shared, not a submodule (keeps state_dict names = checkpoint names)
+        self.interleave = cfg.rope_interleave
         if cfg.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(d, heads * cfg.qk_head_dim, comm, dtype, device)
         else:
@@ -72,11 +72,11 @@ class MLA(nn.Module):
         meta: TreeAttnMeta,
         absorbed: bool = True,
     ) -> torch.Tensor:  # [T, D] (all-reduced)
-        rope = self.rope[0]
         q_nope, q_pe = self._query(x).split([self.nope, self.rope_dim], dim=-1)  # [T, H, nope|P]
-        q_pe = rope(q_pe, cos, sin)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), rope(k_pe, cos, sin)], dim=-1)  # [T, R+P]
+        k_pe = apply_rope(k_pe, cos, sin, self.interleave)  # [T, P]
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [T, R + P]
         kv_cache[meta.block_slots] = latent.to(kv_cache.dtype)
         w_uk, w_uv = self._w_uk_uv()
         if absorbed:

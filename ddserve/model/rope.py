@@ -57,12 +57,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
+    """x [T, H, P] (or [T, P]) rotated by cos/sin [T, P] from `RotaryEmbedding.cos_sin`."""
+    if interleave:
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # de-interleave pairs
+    if x.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
 class RotaryEmbedding(nn.Module):
+    """Holds inv_freq; produces the per-position cos/sin shared by all layers."""
+
     def __init__(self, cfg: ModelConfig, device) -> None:
         super().__init__()
         inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.interleave = cfg.rope_interleave
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [T, P] for `positions` [T], computed in fp32 then cast (as HF)."""
@@ -70,11 +80,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, P]
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, P] (or [T, P]) rotated by cos/sin [T, P]."""
-        if self.interleave:
-            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # de-interleave pairs
-        if x.dim() == 3:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return x * cos + _rotate_half(x) * sin
