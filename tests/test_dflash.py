@@ -335,3 +335,16 @@ def test_tiny_mask_token_is_the_tokenizers_mask(tmp_path):
     write_byte_tokenizer(tmp_path)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.token_to_id("<|mask|>") == TINY_MASK_TOKEN_ID
+
+
+def test_tensor_parallel_replicas_agree(dflash_setup):
+    """tp=2 over gloo: every rank holds a drafter replica and drafts the same tree; a rank whose
+    tree differed would verify other tokens and corrupt the all-reduced forward."""
+    from ddserve.engine.llm import LLM
+    from ddserve.sampling import SamplingParams
+
+    model_dir, drafter_dir, _ = dflash_setup
+    prompts, params = ENGINE_PROMPTS[:3], SamplingParams(max_tokens=ENGINE_MAX, ignore_eos=True)
+    with LLM(model_dir, drafter=drafter_dir, tp=2, budget=8, seed=0) as llm:
+        ar = [o.token_ids for o in llm.generate(prompts, params, speculative=False)]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ar
