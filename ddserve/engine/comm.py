@@ -137,15 +137,16 @@ class NcclComm(Communicator):
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _check(self, t: torch.Tensor) -> None:
-        if t.device != self.device or not t.is_contiguous():
-            raise ValueError(f"NcclComm needs contiguous tensors on {self.device}, got {t.device}")
+        if t.device != self.device:
+            raise ValueError(f"NcclComm works on {self.device}, got a tensor on {t.device}")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self._check(t)
-        n, ptr = self._nccl, t.data_ptr()
+        buf = t if t.is_contiguous() else t.contiguous()
+        n, ptr = self._nccl, buf.data_ptr()
         dt = _nccl_dtype(n, t.dtype)
-        self._comm.allReduce(ptr, ptr, t.numel(), dt, n.NCCL_SUM, self._stream())
-        return t
+        self._comm.allReduce(ptr, ptr, buf.numel(), dt, n.NCCL_SUM, self._stream())
+        return t if buf is t else t.copy_(buf)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         t = t.contiguous()
@@ -157,9 +158,10 @@ class NcclComm(Communicator):
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._check(t)
+        buf = t if t.is_contiguous() else t.contiguous()
         dt = _nccl_dtype(self._nccl, t.dtype)
-        self._comm.bcast(t.data_ptr(), t.numel(), dt, src, self._stream())
-        return t
+        self._comm.bcast(buf.data_ptr(), buf.numel(), dt, src, self._stream())
+        return t if buf is t else t.copy_(buf)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
