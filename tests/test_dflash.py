@@ -1,5 +1,5 @@
 """DFlash drafter: incremental context ring == recompute; module == a plain re-statement of the
-DFlash forward; checkpoint validation against the target; DDTree greedy == AR greedy with it."""
+DFlash forward; checkpoint validation against the target (engine tests: test_dflash_engine.py)."""
 
 from __future__ import annotations
 
@@ -287,64 +287,3 @@ def test_published_config_layout_parses():
     cfg = DrafterConfig.from_hf(raw)
     assert cfg.block_size == 16 and cfg.rope.theta == 500000.0 and cfg.rope.kind == "default"
     assert cfg.target_layer_ids == (1, 33)  # round(1 + i*(36-4)/(2-1))
-
-
-# --------------------------------------------------------------------------------------------
-# In the engine: DDTree greedy with the DFlash drafter == autoregressive greedy
-# --------------------------------------------------------------------------------------------
-
-ENGINE_PROMPTS = [list(range(30, 60)), [5, 6, 7, 8, 9, 10], list(range(120, 140)), [200]]
-ENGINE_MAX = 16  # every stream's context passes the drafter's 16-entry window
-
-
-@pytest.fixture(scope="module")
-def dflash_setup(tmp_path_factory, tiny_model_dir):
-    from tests.engine_helpers import greedy_reference
-
-    tcfg = ModelConfig.from_hf(tiny_model_dir)
-    path = write_tiny_drafter(tmp_path_factory.mktemp("dflash"), tcfg, seed=1, sliding_window=16)
-    ref = greedy_reference(tiny_model_dir, ENGINE_PROMPTS, ENGINE_MAX, ignore_eos=True)
-    return tiny_model_dir, path, ref
-
-
-@pytest.mark.parametrize("budget, batch", [(1, 2), (5, 4), (32, 3)])
-def test_ddtree_greedy_with_dflash_equals_autoregressive(dflash_setup, budget, batch):
-    from ddserve.sampling import SamplingParams
-    from tests.engine_helpers import make_runner, run_all
-
-    model_dir, drafter_dir, ref = dflash_setup
-    runner = make_runner(model_dir, budget, drafter=drafter_dir)
-    drafter = runner.drafter
-    assert isinstance(drafter, DFlashDrafter) and drafter.cache.capacity == 16
-    commits, commit = [], drafter.commit
-    drafter.commit = lambda sid, ids, hidden: commits.append(len(ids)) or commit(sid, ids, hidden)
-    start = runner.free_slots
-    params = SamplingParams(max_tokens=ENGINE_MAX, ignore_eos=True)
-    assert run_all(runner, ENGINE_PROMPTS[:batch], params, True) == ref[:batch]
-    assert runner.free_slots == start and drafter.cache.num_streams == 0
-    if budget >= 32:  # the multi-token commit path ran (seeded, so this is deterministic)
-        assert max(commits) > 1
-
-
-def test_tiny_mask_token_is_the_tokenizers_mask(tmp_path):
-    from tokenizers import Tokenizer
-
-    from ddserve.drafter.tiny import TINY_MASK_TOKEN_ID
-    from ddserve.tokenizer import write_byte_tokenizer
-
-    write_byte_tokenizer(tmp_path)
-    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    assert tok.token_to_id("<|mask|>") == TINY_MASK_TOKEN_ID
-
-
-def test_tensor_parallel_replicas_agree(dflash_setup):
-    """tp=2 over gloo: every rank holds a drafter replica and drafts the same tree; a rank whose
-    tree differed would verify other tokens and corrupt the all-reduced forward."""
-    from ddserve.engine.llm import LLM
-    from ddserve.sampling import SamplingParams
-
-    model_dir, drafter_dir, _ = dflash_setup
-    prompts, params = ENGINE_PROMPTS[:3], SamplingParams(max_tokens=ENGINE_MAX, ignore_eos=True)
-    with LLM(model_dir, drafter=drafter_dir, tp=2, budget=8, seed=0) as llm:
-        ar = [o.token_ids for o in llm.generate(prompts, params, speculative=False)]
-        assert [o.token_ids for o in llm.generate(prompts, params)] == ar
