@@ -64,12 +64,12 @@ class GlooComm(Communicator):
         self.rank, self.world_size = rank, world_size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype in (torch.bfloat16, torch.float16):  # gloo sums 16-bit floats poorly
+        if t.dtype in (torch.bfloat16, torch.float16):  # sum 16-bit floats in fp32
             buf = t.float()
-            self._dist.all_reduce(buf)
-            return t.copy_(buf)
-        self._dist.all_reduce(t)
-        return t
+        else:
+            buf = t if t.is_contiguous() else t.contiguous()
+        self._dist.all_reduce(buf)
+        return t if buf is t else t.copy_(buf)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         t = t.contiguous()
@@ -78,8 +78,9 @@ class GlooComm(Communicator):
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._dist.broadcast(t, src=src)
-        return t
+        buf = t if t.is_contiguous() else t.contiguous()
+        self._dist.broadcast(buf, src=src)
+        return t if buf is t else t.copy_(buf)
 
     def barrier(self) -> None:
         self._dist.barrier()
