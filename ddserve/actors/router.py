@@ -231,6 +231,7 @@ class Router:
         for rid, reason in res.rejected.items():
             self._deliver(self._engine.pop(rid), RequestRejected(reason))
         if res.deferred:
+            self._stats.deferred += len(res.deferred)
             back = [self._engine.pop(rid) for rid in res.deferred]
             with self._s.lock:
                 self._s.waiting.extendleft(reversed(back))

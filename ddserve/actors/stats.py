@@ -40,6 +40,7 @@ class EngineStats:
 
     steps: int = 0
     stream_steps: int = 0  # sum over steps of the streams in the batch
+    deferred: int = 0  # admissions put back in the queue for lack of KV slots
     committed_tokens: int = 0  # tokens emitted by decode steps (not counting prefill's first token)
     step_seconds: Histogram = field(default_factory=Histogram)
     control_seconds: Histogram = field(default_factory=Histogram)  # router+Ray time outside shards
@@ -60,6 +61,7 @@ class EngineStats:
         return {
             "steps_total": self.steps,
             "stream_steps_total": self.stream_steps,
+            "deferred_total": self.deferred,
             "committed_tokens_total": self.committed_tokens,
             "accepted_tokens_per_step": self.accepted_per_step,
             "step_seconds": self.step_seconds.snapshot(),

@@ -91,6 +91,12 @@ def families(http: HttpCounters, engine: dict) -> list[Family]:
             engine.get("accepted_tokens_per_step", 0.0),
         ),
         one(
+            "ddserve_deferred_admissions",
+            "counter",
+            "Admissions put back in the queue because the KV pool was full.",
+            engine.get("deferred_total", 0),
+        ),
+        one(
             "ddserve_kv_slots_used",
             "gauge",
             "KV cache token slots in use.",
