@@ -9,13 +9,13 @@ import sys
 def _make_tiny(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-tiny",
-        help="write a small random checkpoint of this architecture (the embedded default model)",
-        description="Write a small HF-format DeepSeek-V3/Kimi-K2 checkpoint (config.json, safetensors, "
-        "tokenizer) with random weights, plus a matching tiny DFlash drafter under OUT/drafter. "
-        "Deterministic from --seed.",
+        help="write a small random checkpoint of this architecture (the embedded default)",
+        description="Write a small HF-format DeepSeek-V3/Kimi-K2 checkpoint (config.json, "
+        "safetensors, tokenizer) with random weights, plus a matching tiny DFlash drafter under "
+        "OUT/drafter. Deterministic from --seed.",
     )
     p.add_argument("out", help="output directory (created)")
-    p.add_argument("--int4", action="store_true", help="store routed experts as compressed-tensors INT4")
+    p.add_argument("--int4", action="store_true", help="routed experts as compressed-tensors INT4")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(run="ddserve.model.tiny:main")
 
@@ -26,9 +26,9 @@ def _generate(sub: argparse._SubParsersAction) -> None:
         help="generate text offline (no server), with or without DDTree",
         description="Offline generation through the same engine the server uses.",
     )
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: embedded tiny model)")
     p.add_argument("--drafter", default=None, help="DFlash drafter directory (default: none)")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--prompt", action="append", required=True, help="prompt; repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -47,15 +47,15 @@ def _serve(sub: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/models, /health and /metrics. With no --model, serves the "
         "embedded tiny model (tp=2 on CPU so the distributed path runs).",
     )
-    p.add_argument("--model", default=None, help="checkpoint directory (default: embedded tiny model)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: embedded tiny model)")
     p.add_argument("--drafter", default=None, help="DFlash drafter directory")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: 2 on CPU, all GPUs)")
+    p.add_argument("--tp", type=int, default=None, help="TP ranks (default: 2 on CPU, all GPUs)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-streams", type=int, default=10, help="concurrent streams per replica")
-    p.add_argument("--budget", type=int, default=16, help="DDTree node budget (per bucket: --budgets)")
+    p.add_argument("--budget", type=int, default=16, help="DDTree node budget per step")
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
-    p.add_argument("--address", default=None, help="existing Ray cluster address (default: start one)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     p.set_defaults(run="ddserve.serve.main:main")
 
 

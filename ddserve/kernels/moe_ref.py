@@ -41,7 +41,10 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric group-32 quantization: [..., R, C] -> (packed [..., R, C/8], scale [..., R, C/32])."""
+    """Symmetric group-32 quantization of [..., R, C].
+
+    Returns (packed [..., R, C/8] int32, scale [..., R, C/32]).
+    """
     g = w.float().reshape(*w.shape[:-1], -1, GROUP)  # [..., R, C/32, 32]
     scale = g.abs().amax(dim=-1).clamp_min(1e-8) / 7.0  # [..., R, C/32]
     q = torch.round(g / scale.unsqueeze(-1)).clamp(-8, 7).flatten(-2)

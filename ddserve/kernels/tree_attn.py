@@ -16,7 +16,8 @@ import torch
 class TreeAttnMeta:
     """Which latent-cache slots each query row attends to.
 
-    The T query rows are B blocks laid end to end, block b at rows q_starts[b] : q_starts[b] + q_lens[b].
+    The T query rows are B blocks laid end to end, block b at rows
+    q_starts[b] : q_starts[b] + q_lens[b].
     Keys of block b: its prefix slots prefix_slots[b, :prefix_lens[b]] (all visible to every row of
     the block), then the block's own tokens, whose latents are (already) written at
     block_slots[q_starts[b] : q_starts[b] + q_lens[b]]; row j of the block sees block token i iff
@@ -54,8 +55,8 @@ def tree_mla_attention_ref(
     """Plain-torch reference: gathers each block's keys, masks, softmax in fp32."""
     r = q_latent.shape[-1]
     out = torch.zeros_like(q_latent)
-    q_starts, q_lens, p_lens = meta.q_starts.tolist(), meta.q_lens.tolist(), meta.prefix_lens.tolist()
-    for b, (q0, ql, pl) in enumerate(zip(q_starts, q_lens, p_lens)):
+    rows = zip(meta.q_starts.tolist(), meta.q_lens.tolist(), meta.prefix_lens.tolist(), strict=True)
+    for b, (q0, ql, pl) in enumerate(rows):
         if ql == 0:
             continue
         slots = torch.cat([meta.prefix_slots[b, :pl], meta.block_slots[q0 : q0 + ql]])  # [K]

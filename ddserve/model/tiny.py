@@ -179,12 +179,14 @@ def write_tiny(
 
 def make_tiny(out_dir: str | Path, int4: bool = False, seed: int = 0) -> Path:
     """Everything `ddserve make-tiny` writes into OUT."""
+    from ddserve.drafter.tiny import write_tiny_drafter
+
     out = write_tiny(out_dir, int4=int4, seed=seed)
-    # Drafter hook: the matching tiny DFlash drafter goes to OUT/drafter (added with the drafter).
+    write_tiny_drafter(out / "drafter", ModelConfig.from_hf(out), seed=seed)
     return out
 
 
-DEFAULT_NAME = "tiny-v1-int4-seed0"
+DEFAULT_NAME = "tiny-v2-int4-seed0"
 
 
 def default_model_dir() -> Path:
