@@ -20,13 +20,15 @@ from ddserve.kernels.moe_triton import _pick_bm, align_by_expert, fused_moe
 RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T = 1)
 VARIANTS = [
     {},
-    {"BN1": 128},
     {"BN1": 32},
+    {"BN1": 128},
+    {"KW1": 16, "KW2": 16},
+    {"KW1": 64},
+    {"SWAP": False},
+    {"SWAP": False, "BN1": 128, "BN2": 128},
+    {"S1": 3, "S2": 3},
     {"BN2": 64},
     {"BN2": 256, "W2": 8},
-    {"S1": 4, "S2": 4},
-    {"S1": 2, "S2": 2},
-    {"KW1": 16, "KW2": 16},
     {"W1": 8, "BN1": 128},
 ]
 

@@ -38,6 +38,15 @@ def main() -> None:
             lambda logits=logits, budget=budget: build_tree(logits, budget), graph=False
         )
         row["share_of_step_floor"] = row["ms"] / step_floor_ms
+        k = min(budget, v)  # the builder's first stage, as written and with top-k taken first
+        row["logsoftmax_topk_ms"] = time_ms(
+            lambda logits=logits, k=k: logits.float().log_softmax(-1).topk(k, dim=-1)
+        )
+        row["topk_then_lse_ms"] = time_ms(
+            lambda logits=logits, k=k: (
+                logits.topk(k, dim=-1)[0].float() - logits.float().logsumexp(-1, keepdim=True)
+            )
+        )
         res["rows"].append(row)
         print(f"B={b} budget={budget}: {row['ms'] * 1e3:.1f} us in a graph, "
               f"{row['eager_ms'] * 1e3:.1f} us eager, {row['share_of_step_floor']:.2%} of a "

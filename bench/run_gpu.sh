@@ -15,6 +15,6 @@ status=0
 } 2>&1 | tee "$LOG"
 python3 -m pytest tests/gpu -q --timeout 300 -p no:cacheprovider 2>&1 | tee -a "$LOG" || status=1
 (cd bench && python3 bench_moe.py --out "$OUT/moe.json" "$@") 2>&1 | tee -a "$LOG" || status=1
-(cd bench && python3 bench_tree_attn.py --out "$OUT/tree_attn.json" "$@") 2>&1 | tee -a "$LOG" || status=1
 (cd bench && python3 bench_tree_build.py --out "$OUT/tree_build.json") 2>&1 | tee -a "$LOG" || status=1
+(cd bench && python3 bench_tree_attn.py --out "$OUT/tree_attn.json" "$@") 2>&1 | tee -a "$LOG" || status=1
 exit $status

@@ -3,20 +3,21 @@
 Semantics are `moe_ref.moe_ref`'s. Two launches after a device-side grouping of (token, slot) pairs
 by expert (torch ops, no host sync):
 
-1. up:   h[p] = silu(x_t @ Wg_e^T) * (x_t @ Wu_e^T), gate and up rows of one column block share the
-   activation loads; h is written in bf16, already in the K order the second launch reads.
+1. up:   h[p] = silu(x_t @ Wg_e^T) * (x_t @ Wu_e^T); gate and up rows of one column block share the
+   activation loads; h is written in bf16.
 2. down: out[t] += w_p * (h[p] @ W2_e^T), fp32 atomic adds into [T, H], then cast to x.dtype.
 
-No repack: the INT4 words are packed along K (the reduction dimension), eight nibbles per int32.
-Instead of unpacking a word into 8 adjacent columns (a register shuffle), each K block of
-BK = 8 * KW columns is split into 8 sub-blocks, sub-block i holding nibble i of the KW words;
-the activations are permuted to the same order once per call (x is small, the weights are not).
-The group-32 scale of nibble i of word j is scale[j // 4] for every i, so one scale tile serves
-all 8 sub-blocks. Dequantization uses the float magic-number trick (no int->float conversion).
+No repack: the words are packed along K (the reduction dimension), so a [BN, KW] tile of words is
+a [BN, 8 KW] tile of weights. Each nibble plane is dequantized with the float magic-number trick
+(no int->float conversion) and its group-32 scale (word j's scale is scale[j // 4] for all 8
+nibbles), and the planes are interleaved in registers (join + reshape) into natural column order,
+so one MMA per K step consumes them. SWAP puts the weights on the MMA's M side (the token count
+of a block is small in decode). fp32 accumulation throughout.
 
 Each m-block holds up to BM pairs of one expert; BM is chosen from the expected pairs per expert,
 so in the small-batch regime an expert's weights are streamed once per launch (blocks of the same
-expert and column block are adjacent in launch order, so a second block hits L2).
+expert and column block are adjacent in launch order, so a second block mostly hits L2).
+Dense bf16 ExpertWeights take the same kernels with plain weight loads.
 """
 
 from __future__ import annotations
@@ -39,12 +40,51 @@ def _dequant(words, scale, i: tl.constexpr):
 
 
 @triton.jit
+def _unpack(words, scale):
+    """[BN, KW] words and their scales -> [BN, 8 * KW] bf16 weights in natural column order.
+
+    join() adds a minor dimension of size 2; joining (n0, n4), (n2, n6), (n1, n5), (n3, n7), then
+    pairs of those, then the two halves puts nibble i at minor position i, so the reshape yields
+    column 8 * j + i for nibble i of word j, without moving data between threads."""
+    n0 = _dequant(words, scale, 0)
+    n1 = _dequant(words, scale, 1)
+    n2 = _dequant(words, scale, 2)
+    n3 = _dequant(words, scale, 3)
+    n4 = _dequant(words, scale, 4)
+    n5 = _dequant(words, scale, 5)
+    n6 = _dequant(words, scale, 6)
+    n7 = _dequant(words, scale, 7)
+    lo = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    hi = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    w = tl.join(lo, hi)  # [BN, KW, 2, 2, 2]
+    return tl.reshape(w, (w.shape[0], w.shape[1] * 8))
+
+
+@triton.jit
+def _weight_tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4: tl.constexpr,
+                 KW: tl.constexpr):  # fmt: skip
+    """Rows n, columns kb .. kb + 8 KW of one expert's weight: [BN, 8 KW] bf16 (0 outside)."""
+    if INT4:
+        wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
+        wm = n_ok[:, None] & (wi < K // 8)[None, :]
+        words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+        return _unpack(words, scale)
+    else:
+        k = kb + tl.arange(0, 8 * KW)
+        wm = n_ok[:, None] & (k < K)[None, :]
+        return tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0).to(
+            tl.bfloat16
+        )
+
+
+@triton.jit
 def _moe_up_kernel(
     x_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, bexp_ptr,
     num_pairs, num_experts, num_mblocks, K, N_half,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    KW: tl.constexpr, KW_OUT: tl.constexpr, BK: tl.constexpr, BK_OUT: tl.constexpr,
+    KW: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -60,46 +100,35 @@ def _moe_up_kernel(
     n_ok = n < N_half
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
-    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        if INT4:
-            wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
-            wm = n_ok[:, None] & (wi < K // 8)[None, :]
-            wg = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
-            wu = tl.load(w_base + (n + N_half)[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
-            sg = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
-            su = tl.load(
-                s_base + (n + N_half)[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0
-            )
-            for i in tl.static_range(8):
-                xk = kb + i * KW + tl.arange(0, KW)  # permuted activation columns
-                xi = tl.load(
-                    x_ptr + tok[None, :] * stride_x + xk[:, None], mask=valid[None, :], other=0.0
-                )  # [KW, BM]
-                acc_g += tl.dot(_dequant(wg, sg, i), xi)
-                acc_u += tl.dot(_dequant(wu, su, i), xi)
-        else:
-            k = kb + tl.arange(0, BK)
-            k_ok = k < K
-            wm = n_ok[:, None] & k_ok[None, :]
-            wg = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
-            wu = tl.load(
-                w_base + (n + N_half)[:, None] * stride_wn + k[None, :], mask=wm, other=0.0
-            )
-            xk = tl.load(
-                x_ptr + tok[None, :] * stride_x + k[:, None],
-                mask=valid[None, :] & k_ok[:, None],
-                other=0.0,
-            )  # [BK, BM]
-            acc_g += tl.dot(wg.to(tl.bfloat16), xk)
-            acc_u += tl.dot(wu.to(tl.bfloat16), xk)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, [BN, BM] fp32
-    if INT4:  # the down launch reads h in its own permuted K order
-        col = (n // BK_OUT) * BK_OUT + (n % 8) * KW_OUT + (n % BK_OUT) // 8
+    if SWAP:  # weights are the MMA's M side: [BN, BM] accumulators
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     else:
-        col = n
-    tl.store(h_ptr + rows[None, :] * stride_h + col[:, None], h.to(tl.bfloat16), mask=n_ok[:, None])
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, K, 8 * KW):
+        wg = _weight_tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
+        wu = _weight_tile(w_base, s_base, n + N_half, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
+        k = kb + tl.arange(0, 8 * KW)
+        if SWAP:
+            xm = valid[None, :] & (k < K)[:, None]
+            xk = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=xm, other=0.0)
+            acc_g += tl.dot(wg, xk)
+            acc_u += tl.dot(wu, xk)
+        else:
+            xm = valid[:, None] & (k < K)[None, :]
+            xk = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=xm, other=0.0)
+            acc_g += tl.dot(xk, tl.trans(wg))
+            acc_u += tl.dot(xk, tl.trans(wu))
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    if SWAP:
+        tl.store(
+            h_ptr + rows[None, :] * stride_h + n[:, None], h.to(tl.bfloat16), mask=n_ok[:, None]
+        )
+    else:
+        tl.store(
+            h_ptr + rows[:, None] * stride_h + n[None, :], h.to(tl.bfloat16), mask=n_ok[None, :]
+        )
 
 
 @triton.jit
@@ -108,7 +137,7 @@ def _moe_down_kernel(
     num_pairs, num_experts, num_mblocks, K, N,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    KW: tl.constexpr, BK: tl.constexpr,
+    KW: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -119,39 +148,35 @@ def _moe_down_kernel(
     rows = pid_m * BM + tl.arange(0, BM)
     pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
+    tok = pair // TOPK
+    wt = tl.load(tw_ptr + pair, mask=valid, other=0.0)  # [BM] top-k weight of each pair
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        if INT4:
-            wi = kb // 8 + tl.arange(0, KW)
-            wm = n_ok[:, None] & (wi < K // 8)[None, :]
-            w = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
-            s = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
-            for i in tl.static_range(8):
-                hk = kb + i * KW + tl.arange(0, KW)
-                hi = tl.load(h_ptr + rows[None, :] * stride_h + hk[:, None])  # [KW, BM]
-                acc += tl.dot(_dequant(w, s, i), hi)
-        else:
-            k = kb + tl.arange(0, BK)
-            k_ok = k < K
-            w = tl.load(
-                w_base + n[:, None] * stride_wn + k[None, :],
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, K, 8 * KW):
+        w = _weight_tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
+        k = kb + tl.arange(0, 8 * KW)
+        if SWAP:
             hk = tl.load(
-                h_ptr + rows[None, :] * stride_h + k[:, None], mask=k_ok[:, None], other=0.0
+                h_ptr + rows[None, :] * stride_h + k[:, None], mask=(k < K)[:, None], other=0.0
             )
-            acc += tl.dot(w.to(tl.bfloat16), hk)
-    wt = tl.load(tw_ptr + pair, mask=valid, other=0.0)  # [BM] top-k weight of each pair
-    acc = acc * wt[None, :]
-    tok = pair // TOPK
-    tl.atomic_add(
-        out_ptr + tok[None, :] * stride_o + n[:, None], acc, mask=valid[None, :] & n_ok[:, None]
-    )
+            acc += tl.dot(w, hk)
+        else:
+            hk = tl.load(
+                h_ptr + rows[:, None] * stride_h + k[None, :], mask=(k < K)[None, :], other=0.0
+            )
+            acc += tl.dot(hk, tl.trans(w))
+    if SWAP:
+        o_ptrs = out_ptr + tok[None, :] * stride_o + n[:, None]
+        tl.atomic_add(o_ptrs, acc * wt[None, :], mask=valid[None, :] & n_ok[:, None])
+    else:
+        o_ptrs = out_ptr + tok[:, None] * stride_o + n[None, :]
+        tl.atomic_add(o_ptrs, acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
 def align_by_expert(
@@ -188,14 +213,6 @@ def _pick_bm(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 5 else 32 if per_expert <= 14 else 64
 
 
-def _permute_k(x: torch.Tensor, bk: int) -> torch.Tensor:
-    """[T, K] -> [T, Kp] (Kp = K padded to bk): column kb + i*KW + j holds x[:, kb + 8j + i]."""
-    t, k = x.shape
-    kp = triton.cdiv(k, bk) * bk
-    xp = torch.nn.functional.pad(x, (0, kp - k)) if kp != k else x
-    return xp.view(t, kp // bk, bk // 8, 8).transpose(-1, -2).reshape(t, kp)
-
-
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, k] int
@@ -215,7 +232,8 @@ def fused_moe(
     num_experts, two_i = w13.shape[0], w13.shape[1]
     inter = two_i // 2
     p = t * topk
-    cfg = dict(BM=_pick_bm(p, num_experts), BN1=64, KW1=32, BN2=128, KW2=32, W1=4, W2=4, S1=3, S2=3)
+    cfg = dict(BM=_pick_bm(p, num_experts), BN1=64, BN2=128, W1=4, W2=4, S1=2, S2=2, SWAP=True)
+    cfg.update(KW1=32, KW2=32) if int4 else cfg.update(KW1=8, KW2=8)
     cfg.update(config or {})
     bm = cfg["BM"]
     out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
@@ -223,17 +241,13 @@ def fused_moe(
         return out.to(x.dtype)
     sorted_pairs, block_expert = align_by_expert(topk_ids, num_experts, bm)
     nb = block_expert.numel()
-    bk1, bk2 = 8 * cfg["KW1"], 8 * cfg["KW2"]
     xin = x.to(torch.bfloat16).contiguous()  # [T, H]
-    xin = _permute_k(xin, bk1) if int4 else xin
-    ip = triton.cdiv(inter, bk2) * bk2 if int4 else inter
-    h = torch.zeros(nb * bm, ip, dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(nb * bm, inter, dtype=torch.bfloat16, device=x.device)
     _moe_up_kernel[(nb * triton.cdiv(inter, cfg["BN1"]),)](
         xin, w13, s13, h, sorted_pairs, block_expert,
         p, num_experts, nb, hidden, inter,
         xin.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
-        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=cfg["KW1"], KW_OUT=cfg["KW2"],
-        BK=bk1, BK_OUT=bk2,
+        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=cfg["KW1"], SWAP=cfg["SWAP"],
         num_warps=cfg["W1"], num_stages=cfg["S1"],
     )  # fmt: skip
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -241,7 +255,7 @@ def fused_moe(
         h, w2, s2, out, sorted_pairs, block_expert, tw,
         p, num_experts, nb, inter, hidden,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], BK=bk2,
+        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], SWAP=cfg["SWAP"],
         num_warps=cfg["W2"], num_stages=cfg["S2"],
     )  # fmt: skip
     return out.to(x.dtype)

@@ -169,8 +169,13 @@ def tree_mla_attention(
     assert kv_cache.shape[-1] == r + p and kv_cache.stride(-1) == 1
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
-    cfg = dict(BM=64 if q_max * h >= 64 else max(16, triton.next_power_of_2(q_max * h)), BN=32)
-    cfg.update(num_warps=8 if cfg["BM"] >= 64 else 4, num_stages=2)
+    bm = 64 if q_max * h >= 64 else max(16, triton.next_power_of_2(q_max * h))
+    # Tuned on an H200 (BENCHMARKS.md): wide key tiles for trees, deeper pipelining for decode.
+    cfg = (
+        dict(BM=bm, BN=64, num_warps=8, num_stages=2)
+        if bm >= 64
+        else dict(BM=bm, BN=32, num_warps=4, num_stages=3)
+    )
     cfg.update(config or {})
     tiles = triton.cdiv(q_max * h, cfg["BM"])
     nsplit = cfg.get("NSPLIT") or _num_splits(

@@ -81,7 +81,10 @@ def test_empty_experts_and_one_hot_expert():
     check(weights, 300, 1, seed=6, only=1, config=dict(BM=16))
 
 
-@pytest.mark.parametrize("config", [dict(BM=16), dict(BM=32), dict(BM=64), dict(BN1=128, BN2=64)])
+@pytest.mark.parametrize(
+    "config",
+    [dict(BM=16), dict(BM=32), dict(BM=64), dict(BN1=128, BN2=64), dict(SWAP=False), dict(KW1=64)],
+)
 def test_tile_configs(config):
     check(
         random_int4_experts(32, 1024, 256, torch.Generator().manual_seed(7)),
