@@ -117,3 +117,15 @@ def test_stops_on_stop_token_and_eos_like_ar(tiny_model_dir) -> None:
     sp = SamplingParams(max_tokens=MAX, ignore_eos=True)
     assert run_all(runner, PROMPTS[:1], sp, True)[0] == ref[0]
     assert runner.free_slots == start
+
+
+def test_chunked_prefill_matches_one_shot(model) -> None:
+    """Prompts split across several prefill forwards (and several streams per forward)."""
+    path, ref = model
+    prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[4]]  # 30, 20 and 12 tokens
+    want = [ref[2], ref[6], ref[4]]
+    runner = make_runner(path, 8, drafter("corrupt", vocab(path), PROMPTS, ref), prefill_chunk=7)
+    before = runner.target_forwards
+    got = run_all(runner, prompts, SamplingParams(max_tokens=MAX), True)
+    assert got == want
+    assert runner.target_forwards - before >= 62 // 7  # prefill really ran in chunks

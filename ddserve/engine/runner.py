@@ -195,18 +195,18 @@ class ModelRunner:
         outs = {}
         for st, tok in zip(sts, first, strict=True):
             if self.drafter is not None:
-                self.drafter.add_stream(st.sid, st.prompt, st.__dict__.pop("_hidden", None))
+                hidden = torch.cat(st.prompt_hidden) if st.prompt_hidden else None
+                self.drafter.add_stream(st.sid, st.prompt, hidden)
+            st.prompt_hidden = []
             st.steps = 1
             outs[st.sid] = st.emit([tok])
         return outs
 
     def _prefill_hidden(self, plan, hidden: torch.Tensor | None, q_lens: list[int]) -> None:
-        """Accumulate captured prompt hidden states until a stream's prompt is complete."""
-        if hidden is None:
-            return
-        for (st, _, _), h in zip(plan, hidden.split(q_lens), strict=True):
-            prev = st.__dict__.get("_hidden")
-            st.__dict__["_hidden"] = h if prev is None else torch.cat([prev, h])
+        """Keep captured prompt hidden states until a stream's prompt is complete."""
+        if hidden is not None:
+            for (st, _, _), h in zip(plan, hidden.split(q_lens), strict=True):
+                st.prompt_hidden.append(h)
 
     # ---- decode ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -31,6 +31,7 @@ class Stream:
     steps: int = 0  # sampling steps taken (the prefill's first token is step 0)
     committed: list[int] = field(default_factory=list)  # tokens emitted per decode step
     finished: str | None = None
+    prompt_hidden: list = field(default_factory=list)  # captured prompt states, until prefilled
 
     @property
     def prefilled(self) -> bool:
