@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the three benchmarks. JSON and one log under $OUT.
 #   bash bench/run_gpu.sh [--sweep]     (--sweep also times the tile-config variants)
+#   ATTN_ARGS=" " bash bench/run_gpu.sh --sweep   (sweep the MoE only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -16,5 +17,5 @@ status=0
 python3 -m pytest tests/gpu -q --timeout 300 -p no:cacheprovider 2>&1 | tee -a "$LOG" || status=1
 (cd bench && python3 bench_moe.py --out "$OUT/moe.json" "$@") 2>&1 | tee -a "$LOG" || status=1
 (cd bench && python3 bench_tree_build.py --out "$OUT/tree_build.json") 2>&1 | tee -a "$LOG" || status=1
-(cd bench && python3 bench_tree_attn.py --out "$OUT/tree_attn.json" "$@") 2>&1 | tee -a "$LOG" || status=1
+(cd bench && python3 bench_tree_attn.py --out "$OUT/tree_attn.json" ${ATTN_ARGS:-"$@"}) 2>&1 | tee -a "$LOG" || status=1
 exit $status
