@@ -105,9 +105,9 @@ def reference():
                          device="cpu")  # fmt: skip
     counter = iter(range(10**6))
 
-    def greedy(ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+    def greedy(ids: list[int], max_tokens: int, **sampling) -> tuple[list[int], str]:
         sid = next(counter)
-        runner.add_stream(sid, ids, SamplingParams(max_tokens=max_tokens))
+        runner.add_stream(sid, ids, SamplingParams(max_tokens=max_tokens, **sampling))
         out = runner.prefill()[sid]
         toks = list(out.tokens)
         while out.finished is None:
@@ -139,12 +139,19 @@ def _wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
 
 
 def test_readme_serve_command_answers_a_streaming_request(url: str) -> None:
-    body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        events = [ln for ln in r.iter_lines() if ln]
+    body = '{"prompt": "Hello", "max_tokens": 8, "stream": true}'
+    if shutil.which("curl"):  # the README's way
+        cmd = ["curl", "-sSN", "--fail-with-body", "-m", "60", f"{url}/v1/completions",
+               "-H", "Content-Type: application/json", "-d", body]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    else:
+        r = httpx.post(f"{url}/v1/completions", content=body, timeout=60,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        out = r.text
+    events = [ln for ln in out.splitlines() if ln]
     assert events[-1] == "data: [DONE]" and len(events) >= 2
+    assert all(e.startswith("data: {") for e in events[:-1])
     assert httpx.get(f"{url}/health").status_code == 200
 
 
@@ -158,6 +165,18 @@ def test_completions_equal_greedy_autoregressive_output(client, model_name, refe
     chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=24,
                                             temperature=0, stream=True))  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_seeded_sampling_equals_the_runner_with_the_same_seed(client, model_name, reference):
+    ids = reference.tok.encode("Once upon a time", add_bos=True)
+    toks, _ = reference(ids, 20, temperature=0.8, top_p=0.9, seed=7)
+    texts = [
+        client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=20,
+                                  temperature=0.8, top_p=0.9, seed=seed).choices[0].text
+        for seed in (7, 7, 8)
+    ]  # fmt: skip
+    assert texts[0] == texts[1] == reference.tok.decode(toks)
+    assert texts[2] != texts[0]
 
 
 def test_chat_completions_equal_greedy_autoregressive_output(client, model_name, reference):

@@ -159,3 +159,14 @@ def test_responses_parse_as_openai_types() -> None:
     assert OpenAIChunk.model_validate(chunk.model_dump()).choices[0].delta.role == "assistant"
     last = ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=u)
     assert OpenAIChunk.model_validate(last.model_dump()).usage.completion_tokens == 4
+
+
+def test_chat_without_a_chat_template_is_a_400() -> None:
+    class NoTemplate(ByteTok):
+        def apply_chat_template(self, messages: list[dict]) -> str:
+            raise ValueError("tokenizer_config.json has no chat_template")
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(ApiError) as e:
+        prepare_chat(req, "m", NoTemplate(), 32)
+    assert e.value.status == 400 and "chat_template" in e.value.message

@@ -118,7 +118,16 @@ def prepare_chat(
 ) -> tuple[list[int], SamplingParams, list[str]]:
     _check_common(req, served)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    try:
+        text = tok.apply_chat_template(messages)
+    except ValueError as e:  # e.g. the checkpoint ships no chat template
+        raise ApiError(
+            400,
+            f"Cannot build a chat prompt for this model: {e}. Use "
+            "/v1/completions with a plain prompt.",
+            param="messages",
+        ) from e
+    ids = tok.encode(text, add_bos=False)
     _check_token_ids(
         list(req.stop_token_ids or ()), getattr(tok, "vocab_size", None), "stop_token_ids"
     )
