@@ -111,35 +111,3 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
-
-    Text is only emitted once it decodes without a trailing replacement character; the last few
-    ids are re-decoded together so multi-token characters come out whole.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tok, self._skip = tokenizer, skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # ids before this are fully emitted and never re-decoded
-        self._read = 0  # ids before this have had their text emitted
-
-    def push(self, ids: list[int]) -> str:
-        """Add tokens; return the newly completed text (possibly "")."""
-        self._ids.extend(ids)
-        decode = lambda a, b: self._tok.decode(self._ids[a:b], self._skip)
-        done = decode(self._prefix, self._read)
-        full = decode(self._prefix, len(self._ids))
-        if len(full) <= len(done) or full.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return full[len(done) :]
-
-    def flush(self) -> str:
-        """Whatever is left at the end of the stream (a broken tail decodes as U+FFFD)."""
-        done = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
-        full = self._tok.decode(self._ids[self._prefix :], self._skip)
-        self._prefix = self._read = len(self._ids)
-        return full[len(done) :]

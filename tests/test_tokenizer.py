@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ddserve.tokenizer import SPECIALS, IncrementalDetokenizer, Tokenizer, write_byte_tokenizer
+from ddserve.serve.detok import IncrementalDetokenizer
+from ddserve.tokenizer import SPECIALS, Tokenizer, write_byte_tokenizer
 
 TEXTS = ["hello world", "  spaces\tand\nnewlines ", "héllo wörld", "日本語 😀 mixed ✓", ""]
 
