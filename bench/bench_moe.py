@@ -18,18 +18,13 @@ from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
 from ddserve.kernels.moe_triton import _pick_bm, align_by_expert, fused_moe
 
 RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T = 1)
-VARIANTS = [
+VARIANTS = [  # SWAP=False at BM=64 crashes Triton 3.6's TritonGPUOptimizeDotOperands pass
     {},
     {"BN1": 32},
-    {"BN1": 128},
     {"KW1": 16, "KW2": 16},
-    {"KW1": 64},
-    {"SWAP": False},
-    {"SWAP": False, "BN1": 128, "BN2": 128},
+    {"BN1": 32, "KW1": 16, "KW2": 16},
     {"S1": 3, "S2": 3},
-    {"BN2": 64},
-    {"BN2": 256, "W2": 8},
-    {"W1": 8, "BN1": 128},
+    {"BN2": 64, "BN1": 32},
 ]
 
 
@@ -51,6 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile-config variants")
+    ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     args = ap.parse_args()
     dev = device()
     e, h, i, k = (8, 256, 64, 2) if args.smoke else (384, 7168, 256, 8)
@@ -74,24 +70,30 @@ def main() -> None:
         row["ms"] = time_ms(lambda x=x, ids=ids, tw=tw: fused_moe(x, ids, tw, w))
         bm = _pick_bm(t * k, e)
         row["align_ms"] = time_ms(lambda ids=ids, bm=bm: align_by_expert(ids, e, bm))
-        row["torch_ms"] = time_ms(lambda x=x, ids=ids, tw=tw: moe_ref(x, ids, tw, w), graph=False)
+        if not args.no_torch:
+            row["torch_ms"] = time_ms(
+                lambda x=x, ids=ids, tw=tw: moe_ref(x, ids, tw, w), graph=False
+            )
+            row["speedup_vs_torch"] = row["torch_ms"] / row["ms"]
         if args.sweep:
             row["variants"] = []
             for cfg in VARIANTS:
-                err = rel_err(fused_moe(x, ids, tw, w, config=cfg), ref)
-                ms = time_ms(
-                    lambda x=x, ids=ids, tw=tw, cfg=cfg: fused_moe(x, ids, tw, w, config=cfg)
-                )
+                try:
+                    err = rel_err(fused_moe(x, ids, tw, w, config=cfg), ref)
+                    ms = time_ms(
+                        lambda x=x, ids=ids, tw=tw, c=cfg: fused_moe(x, ids, tw, w, config=c)
+                    )
+                except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
+                    err, ms = repr(exc)[:160], float("inf")
                 row["variants"].append(dict(config=cfg, ms=ms, err=err))
             best = min(row["variants"], key=lambda v: v["ms"])
             row["best_config"], row["best_ms"] = best["config"], best["ms"]
         row["gbs"] = nbytes / row["ms"] / 1e6
         row["frac_of_copy"] = row["gbs"] / bw
-        row["speedup_vs_torch"] = row["torch_ms"] / row["ms"]
         res["rows"].append(row)
         print(f"T={t:5d} experts={distinct:3d} {row['ms'] * 1e3:8.1f} us {row['gbs']:7.0f} GB/s "
               f"({row['frac_of_copy']:.2f} of copy) best={row.get('best_ms', 0) * 1e3:7.1f} us "
-              f"torch={row['torch_ms']:.2f} ms err={row['err']:.1e}")  # fmt: skip
+              f"torch={row.get('torch_ms', 0):.2f} ms err={row['err']:.1e}")  # fmt: skip
     write_json(args.out, res)
 
 
