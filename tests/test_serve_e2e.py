@@ -277,6 +277,31 @@ def test_server_keeps_serving_after_all_of_it(client, model_name, reference) -> 
     assert r.choices[0].text == reference.tok.decode(toks)
 
 
+def test_load_test_against_the_embedded_server(url: str, tmp_path) -> None:
+    """Issue 7's acceptance run: loadtest, 16 requests at concurrency 4, against this server."""
+    import json
+
+    from loadtest.run import main as loadtest
+
+    out = tmp_path / "load.json"
+    args = ["--url", url, "--no-progress", "--out", str(out), "--num-prompts", "16",
+            "--concurrency", "4", "--warmup", "2", "--ignore-eos", "--input-len", "8",
+            "--output-len", "12"]  # fmt: skip
+    t0 = time.perf_counter()
+    assert loadtest(args) == 0
+    wall = time.perf_counter() - t0
+    [run] = json.loads(out.read_text())["runs"]
+    reqs = run["requests"]
+    assert run["failed"] == 0 and run["completed"] == len(reqs) == 16
+    for r in reqs:
+        assert r["ok"] and r["usage_reported"] and 0 < r["ttft_s"] <= r["e2e_s"], r
+        assert r["output_tokens"] == 12  # ignore_eos: exactly max_tokens, as `usage` reports
+    dur = run["duration_s"]
+    assert 0 < dur <= wall
+    assert run["output_throughput"] == pytest.approx(16 * 12 / dur)
+    assert run["server"]["accepted_tokens_per_step"] >= 1.0
+
+
 def test_dead_shard_fails_in_flight_requests_promptly(server, client, model_name) -> None:
     """Last: kills a shard. The open stream must end with a clear error, not hang."""
     import ray
