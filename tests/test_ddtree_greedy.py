@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 
+from ddserve.engine.config import EngineConfig
+from ddserve.engine.runner import ModelRunner
 from ddserve.sampling import SamplingParams
 from tests.engine_helpers import (  # noqa: F401 (single_thread is a fixture)
     PROMPTS,
@@ -129,3 +131,30 @@ def test_chunked_prefill_matches_one_shot(model) -> None:
     got = run_all(runner, prompts, SamplingParams(max_tokens=MAX), True)
     assert got == want
     assert runner.target_forwards - before >= 62 // 7  # prefill really ran in chunks
+
+
+
+def test_per_bucket_budget_below_the_engine_budget(model) -> None:
+    """A bucket's smaller budget changes the tree size only, never the greedy output.
+
+    float32: varying the tree size per step changes the verify batch's shapes, and bf16 CPU matmuls
+    are not batch-invariant (a near-tie flipped at token 19 of one prompt in bf16 here)."""
+    path, _ = model
+    cfg = EngineConfig(num_slots=4096, budget=16, dtype="float32")
+    ref = run_all(ModelRunner(path, engine_cfg=cfg, device="cpu"), PROMPTS[:3],
+                  SamplingParams(max_tokens=MAX), False)  # fmt: skip
+    runner = ModelRunner(path, engine_cfg=cfg, device="cpu",
+                         drafter=drafter("corrupt", vocab(path), PROMPTS[:3], ref))  # fmt: skip
+    params = SamplingParams(max_tokens=MAX)
+    out: dict[int, list[int]] = {i: [] for i in range(3)}
+    for i, p in enumerate(PROMPTS[:3]):
+        runner.add_stream(i, p, params)
+    for sid, so in runner.prefill().items():
+        out[sid] += so.tokens
+    budgets = iter([1, 3, 16, 5] * MAX)
+    while runner.streams:
+        for sid, so in runner.ddtree_step(list(runner.streams), budget=next(budgets)).items():
+            out[sid] += so.tokens
+    assert [out[i] for i in range(3)] == ref[:3]
+    with pytest.raises(ValueError, match="budget"):
+        runner.ddtree_step([], budget=17)

@@ -132,8 +132,10 @@ class ShardWorker:
             res.outputs.update(runner.prefill(max_chunks=1))
         if cmd.step:
             t1 = time.perf_counter()
-            step = runner.ddtree_step if cmd.speculative else runner.ar_step
-            res.outputs.update(step(list(cmd.step)))
+            if cmd.speculative:
+                res.outputs.update(runner.ddtree_step(list(cmd.step), cmd.budget or None))
+            else:
+                res.outputs.update(runner.ar_step(list(cmd.step)))
             res.step_s = time.perf_counter() - t1
         res.kv_slots_used = self.spec.num_slots - runner.free_slots
         res.busy_s = time.perf_counter() - t0
