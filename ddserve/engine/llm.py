@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import Drafter
-from ddserve.engine.runner import ModelRunner
+from ddserve.engine.runner import ModelRunner, default_device
 from ddserve.kvcache import OutOfSlots
 from ddserve.sampling import SamplingParams
 
@@ -160,7 +162,20 @@ class LLM:
 def main(args) -> int:
     """`ddserve generate`: print each completion; stats go to stderr."""
     logging.basicConfig(level=logging.WARNING)
-    llm = LLM(args.model, drafter=args.drafter, tp=args.tp, budget=args.budget, device=args.device)
+    model = Path(args.model) if args.model else None
+    if model is None:
+        from ddserve.model.tiny import default_model_dir
+
+        model = default_model_dir()
+    drafter = args.drafter
+    if drafter is None and (model / "drafter" / "config.json").exists():
+        drafter = model / "drafter"  # a checkpoint's bundled drafter, as `ddserve serve` does
+    if drafter is None and not args.no_speculative:
+        print("ddserve: no drafter given or bundled: decoding autoregressively", file=sys.stderr)
+    device = args.device or default_device()
+    # CPU runs in float32 (what `ddserve serve` does there); GPUs in bfloat16.
+    dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+    llm = LLM(model, drafter=drafter, tp=args.tp, budget=args.budget, device=device, dtype=dtype)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
