@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ddserve.config import ModelConfig
 from ddserve.ddtree import accept, block_meta, build_tree, select_tokens, verify_inputs
 from ddserve.ddtree.verify import causal_masks
 from ddserve.engine.comm import Communicator, LocalComm
@@ -47,12 +48,31 @@ class ModelRunner:
     ) -> None:
         from ddserve.model.loader import load_model
 
-        self.cfg = engine_cfg or EngineConfig()
-        self.comm = comm or LocalComm()
-        self.device = torch.device(device or default_device())
-        self.model, self.model_cfg = load_model(
-            model_path, self.comm, self.cfg.torch_dtype, self.device, progress=False
-        )
+        cfg, comm = engine_cfg or EngineConfig(), comm or LocalComm()
+        dev = torch.device(device or default_device())
+        model, model_cfg = load_model(model_path, comm, cfg.torch_dtype, dev, progress=False)
+        self._setup(model, model_cfg, comm, cfg, drafter)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        model_cfg: ModelConfig,
+        comm: Communicator | None = None,
+        engine_cfg: EngineConfig | None = None,
+        drafter: Drafter | str | Path | None = None,
+    ) -> ModelRunner:
+        """A runner around an already-built model (benchmarks, tests): no checkpoint is read.
+        The device is the model's; `comm` defaults to the model's communicator."""
+        self = cls.__new__(cls)
+        comm = comm or getattr(model, "comm", None) or LocalComm()
+        self._setup(model, model_cfg, comm, engine_cfg or EngineConfig(), drafter)
+        return self
+
+    def _setup(self, model, model_cfg, comm, engine_cfg, drafter) -> None:
+        self.cfg, self.comm = engine_cfg, comm
+        self.model, self.model_cfg = model, model_cfg
+        self.device = next(model.parameters()).device
         mc = self.model_cfg
         self.kv = LatentCache(
             mc.num_hidden_layers,

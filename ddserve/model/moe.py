@@ -9,6 +9,8 @@ shared experts are added unscaled; one all-reduce sums the per-rank partials of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,6 +99,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype, device) -> None:
         super().__init__()
         self.comm = comm
+        # Optional observer of each forward's topk_ids [T, k] (benchmarks count distinct experts).
+        self.route_hook: Callable[[torch.Tensor], None] | None = None
         self.gate = Router(cfg, dtype, device)
         self.experts = RoutedExperts(cfg, comm, dtype, device)
         self.shared_experts = None
@@ -107,6 +111,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D] (all-reduced)
         ids, weights = self.gate(x)
+        if self.route_hook is not None:
+            self.route_hook(ids)
         moe = backend.moe(backend.device_type(x))
         y = moe(x, ids, weights, self.experts.weights())  # [T, D] this rank's partial
         if self.shared_experts is not None:
