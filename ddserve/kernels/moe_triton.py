@@ -232,8 +232,11 @@ def fused_moe(
     num_experts, two_i = w13.shape[0], w13.shape[1]
     inter = two_i // 2
     p = t * topk
-    cfg = dict(BM=_pick_bm(p, num_experts), BN1=64, BN2=128, W1=4, W2=4, S1=2, S2=2, SWAP=True)
-    cfg.update(KW1=32, KW2=32) if int4 else cfg.update(KW1=8, KW2=8)
+    # Defaults from the H200 sweep in BENCHMARKS.md: K steps of 128 columns, narrower column
+    # blocks when very few pairs (more programs in flight). SWAP=False at BM=64 crashes Triton 3.6.
+    bn1 = 32 if 4 * p < num_experts else 64
+    cfg = dict(BM=_pick_bm(p, num_experts), BN1=bn1, BN2=128, W1=4, W2=4, S1=2, S2=2, SWAP=True)
+    cfg.update(KW1=16, KW2=16) if int4 else cfg.update(KW1=8, KW2=8)
     cfg.update(config or {})
     bm = cfg["BM"]
     out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
