@@ -139,7 +139,7 @@ def _wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
 
 
 def test_readme_serve_command_answers_a_streaming_request(url: str) -> None:
-    body = '{"prompt": "Hello", "max_tokens": 8, "stream": true}'
+    body = '{"model": "ddserve-tiny", "prompt": "Hello", "max_tokens": 16, "stream": true}'
     if shutil.which("curl"):  # the README's way
         cmd = ["curl", "-sSN", "--fail-with-body", "-m", "60", f"{url}/v1/completions",
                "-H", "Content-Type: application/json", "-d", body]  # fmt: skip

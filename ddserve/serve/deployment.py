@@ -75,7 +75,8 @@ class ServeConfig(BaseModel):
             control=self.control,
             shard_cpus=self.shard_cpus,
         )
-        return cfg, self.served_model_name or model.name
+        default_name = model.name if self.model else "ddserve-tiny"
+        return cfg, self.served_model_name or default_name
 
 
 def _default_model() -> Path:
