@@ -1,0 +1,179 @@
+"""End-to-end engine benchmark (DESIGN.md section 8): AR vs DDTree steps of ModelRunner on a
+random Kimi K2.6 tp=8 rank slice, against the bandwidth floor, over batch sizes and budgets.
+
+    python bench/bench_engine.py --out engine.json              # CUDA: the full rank slice
+    python bench/bench_engine.py --small --device cpu --out x.json   # tiny shapes, any device
+
+Per batch size C: plain AR step time; DDTree step time with an oracle drafter at each
+`--corrupt` level (controlled acceptance), committed tokens per step, tokens/s, the DDTree/AR
+tokens-per-second ratio and the break-even committed length (DDTree step / AR step); the floor
+(weights touched + measured distinct experts x expert bytes + KV read, over the measured copy
+bandwidth) and step / floor; the split of a DDTree step; GPU memory. Random weights: a real
+drafter's acceptance cannot be measured here, only step cost and break-even.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from engine_model import (  # noqa: E402
+    build_random_model,
+    estimate_weight_bytes,
+    rank_slice_config,
+)
+from engine_probe import copy_bandwidth  # noqa: E402
+from engine_report import NOTES, ar_entry, ddtree_entry, print_table, write_json  # noqa: E402
+from engine_runs import EngineBench  # noqa: E402
+
+from ddserve.config import ModelConfig  # noqa: E402
+from ddserve.engine.config import EngineConfig  # noqa: E402
+from ddserve.engine.runner import ModelRunner  # noqa: E402
+
+PRESETS = {
+    "full": dict(layers=61, batches="1,5,10", budgets="4,8,16,32", prefix=1024, steps=8, warmup=2,
+                 split_steps=2, depth=15, prefill_chunk=2048, copy_mib=1024),
+    "small": dict(layers=3, batches="1,2", budgets="2,4", prefix=24, steps=2, warmup=1,
+                  split_steps=1, depth=4, prefill_chunk=32, copy_mib=8),
+}  # fmt: skip
+HEADROOM = 8 << 30  # bytes left free on the GPU for activations, allocator slack, graphs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--layers", type=int, help="decoder layers (61; fewer if the GPU is short)")
+    ap.add_argument("--batches", help="comma list of stream counts C (1,5,10)")
+    ap.add_argument("--budgets", help="comma list of DDTree budgets (4,8,16,32)")
+    ap.add_argument("--corrupt", default="0,0.3", help="oracle corrupt levels (acceptance knob)")
+    ap.add_argument("--prefix", type=int, help="prompt tokens per stream (1024)")
+    ap.add_argument("--steps", type=int, help="timed steps per configuration (8)")
+    ap.add_argument("--warmup", type=int, help="untimed steps before them (2)")
+    ap.add_argument("--split-steps", type=int, help="instrumented DDTree steps for the split (2)")
+    ap.add_argument("--depth", type=int, help="drafter depths D, DFlash block - 1 (15)")
+    ap.add_argument("--margin", type=float, default=20.0, help="oracle logit margin (20: chain)")
+    ap.add_argument("--prefill-chunk", type=int, help="prefill forward size in tokens (2048)")
+    ap.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (1024 MiB)")
+    ap.add_argument("--graph-reps", type=int, default=20, help="CUDA-graph replays (0: off)")
+    skip = "start no configuration past this many seconds (recorded as skipped)"
+    ap.add_argument("--max-seconds", type=float, default=240.0, help=skip)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON output path (default: print)")
+    args = ap.parse_args(argv)
+    for key, val in PRESETS["small" if args.small else "full"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.batches = [int(x) for x in str(args.batches).split(",")]
+    args.budgets = [int(x) for x in str(args.budgets).split(",")]
+    args.corrupt = [float(x) for x in str(args.corrupt).split(",")]
+    return args
+
+
+def fit_layers(args: argparse.Namespace, device: torch.device) -> int:
+    """args.layers, reduced until weights + KV + headroom fit in free GPU memory."""
+    if device.type != "cuda":
+        return args.layers
+    free = torch.cuda.mem_get_info(device)[0]
+    one = estimate_weight_bytes(ModelConfig.from_hf(rank_slice_config(1, args.small)))
+    two = estimate_weight_bytes(ModelConfig.from_hf(rank_slice_config(2, args.small)))
+    layers = args.layers
+    while layers > 2 and one + (layers - 1) * (two - one) * 1.02 + HEADROOM > free:
+        layers -= 1
+    return layers
+
+
+def continuation_length(args: argparse.Namespace) -> int:
+    """AR tokens per stream the oracle needs: the most any DDTree run can commit, plus one."""
+    per_step = min(args.depth, max(args.budgets)) + 1
+    return max(args.warmup + args.steps, args.split_steps) * per_step + 1
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    layers = fit_layers(args, device)
+    raw = rank_slice_config(layers, args.small)
+    mcfg = ModelConfig.from_hf(raw)
+    print(f"building a random {'small' if args.small else 'K2.6 rank-slice'} model: {layers} "
+          f"layers on {device}", flush=True)  # fmt: skip
+    model = build_random_model(mcfg, device, seed=args.seed)
+    cont = continuation_length(args)
+    c_max, max_tokens = max(args.batches), cont + args.depth + 2
+    per_stream = args.prefix + max_tokens + max(args.budgets) + 1
+    ecfg = EngineConfig(num_slots=c_max * per_stream + 16, budget=max(args.budgets),
+                        prefill_chunk=args.prefill_chunk, seed=args.seed)  # fmt: skip
+    runner = ModelRunner.from_model(model, mcfg, engine_cfg=ecfg)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(2, mcfg.vocab_size, (c_max, args.prefix), generator=gen).tolist()
+    bw = copy_bandwidth(device, args.copy_mib << 20)
+    print(f"copy bandwidth {bw['bytes_per_s'] / 1e9:.0f} GB/s; prefilling {c_max} x "
+          f"{args.prefix} tokens", flush=True)  # fmt: skip
+    bench = EngineBench(runner, prompts, max_tokens, args.graph_reps)
+    report = dict(
+        benchmark="engine", notes=NOTES, args={k: v for k, v in vars(args).items()},
+        layers=layers, layers_requested=args.layers, bandwidth=bw,
+        prefill=dict(tokens=bench.prefill_tokens, seconds=bench.prefill_s,
+                     tokens_per_s=bench.prefill_tokens / bench.prefill_s),
+        ar=[], ddtree=[], skipped=[],
+    )  # fmt: skip
+    deadline = t_start + args.max_seconds
+    ar_by_c = {}
+    # The AR run over all streams makes the oracle's continuation; it is also C_max's AR timing.
+    order = [c_max] + [c for c in args.batches if c != c_max]
+    for c in order:
+        sids = bench.sids[:c]
+        n = cont - args.warmup if c == c_max else args.steps
+        if c != c_max and time.perf_counter() > deadline:
+            report["skipped"].append(dict(kind="ar", batch=c, reason="max-seconds"))
+            continue
+        res = bench.run_ar(sids, args.warmup, n)
+        ar_by_c[c] = ar_entry(res, c, runner, bw)
+        report["ar"].append(ar_by_c[c])
+        print(f"AR C={c}: {ar_by_c[c]['step_s']['mean'] * 1e3:.2f} ms/step", flush=True)
+    for c in args.batches:
+        for budget in args.budgets:
+            for corrupt in args.corrupt:
+                cfg_id = dict(kind="ddtree", batch=c, budget=budget, corrupt=corrupt)
+                if c not in ar_by_c or time.perf_counter() > deadline:
+                    report["skipped"].append(dict(cfg_id, reason="max-seconds"))
+                    continue
+                res = bench.run_ddtree(
+                    bench.sids[:c], budget, args.warmup, args.steps, args.split_steps,
+                    depth=args.depth, corrupt=corrupt, margin=args.margin, seed=args.seed,
+                )  # fmt: skip
+                entry = ddtree_entry(res, c, budget, corrupt, runner, bw, ar_by_c[c])
+                report["ddtree"].append(entry)
+                print(f"DDTree C={c} budget={budget} corrupt={corrupt}: "
+                      f"{entry['step_s']['mean'] * 1e3:.2f} ms/step, "
+                      f"{entry['committed_per_step']:.2f} tok/stream/step", flush=True)  # fmt: skip
+    report["memory"] = memory(device)
+    report["elapsed_s"] = time.perf_counter() - t_start
+    print_table(report)
+    write_json(args.out, report)
+    return report
+
+
+def memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(note="not measured on CPU")
+    free, total = torch.cuda.mem_get_info(device)
+    return dict(
+        allocated=torch.cuda.memory_allocated(device),
+        max_allocated=torch.cuda.max_memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+        device_used=total - free,
+        device_total=total,
+    )
+
+
+if __name__ == "__main__":
+    main()
