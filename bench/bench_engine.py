@@ -24,8 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from engine_model import (  # noqa: E402
+    EMBED_RMS,
+    LM_HEAD_GAIN,
     build_random_model,
     estimate_weight_bytes,
+    parameter_bytes,
     rank_slice_config,
 )
 from engine_probe import copy_bandwidth  # noqa: E402
@@ -42,6 +45,13 @@ PRESETS = {
     "small": dict(layers=3, batches="1,2", budgets="2,4", prefix=24, steps=2, warmup=1,
                   split_steps=1, depth=4, prefill_chunk=32, copy_mib=8),
 }  # fmt: skip
+INIT = (
+    "random, on the device: matmul weights N(0, 1/fan_in); INT4 experts uniform nibbles with "
+    "group scales U(0.5, 1.5)/(sqrt(fan_in) std(int4)); router bias N(0, 0.01^2); norms 1; "
+    f"embedding N(0, {EMBED_RMS:g}^2) and lm_head row perm(t) = unit embedding of t x "
+    f"{LM_HEAD_GAIN:g}/sqrt(hidden), so greedy decoding is a robust token permutation "
+    "(oracle stays in sync under bf16) while routing stays random per token"
+)
 HEADROOM = 8 << 30  # bytes left free on the GPU for activations, allocator slack, graphs
 
 
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = dict(
         benchmark="engine", notes=NOTES, args={k: v for k, v in vars(args).items()},
         layers=layers, layers_requested=args.layers, bandwidth=bw,
+        model=dict(config=raw, weight_bytes=parameter_bytes(model), init=INIT),
         prefill=dict(tokens=bench.prefill_tokens, seconds=bench.prefill_s,
                      tokens_per_s=bench.prefill_tokens / bench.prefill_s),
         ar=[], ddtree=[], skipped=[],

@@ -1,0 +1,149 @@
+"""The engine benchmark (bench/bench_engine.py) on CPU with its --small preset: it runs, its JSON
+is internally consistent, and its measurements obey what the engine guarantees."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_engine  # noqa: E402
+from engine_model import build_random_model, rank_slice_config  # noqa: E402
+from engine_runs import EngineBench  # noqa: E402
+
+from ddserve.config import ModelConfig  # noqa: E402
+from ddserve.engine.config import EngineConfig  # noqa: E402
+from ddserve.engine.runner import ModelRunner  # noqa: E402
+from ddserve.model.deepseek import DeepseekV3ForCausalLM  # noqa: E402
+
+SMALL = ["--small", "--device", "cpu", "--steps", "2", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "engine.json"
+    rep = bench_engine.main([*SMALL, "--out", str(out)])
+    assert out.exists()
+    return rep
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+def test_every_configuration_ran(report):
+    args = report["args"]
+    assert {e["batch"] for e in report["ar"]} == set(args["batches"])
+    want = {(c, b, x) for c in args["batches"] for b in args["budgets"] for x in args["corrupt"]}
+    assert {(e["batch"], e["budget"], e["corrupt"]) for e in report["ddtree"]} == want
+    assert report["skipped"] == []
+
+
+def test_throughput_and_break_even_follow_from_step_times(report):
+    ar = {e["batch"]: e for e in report["ar"]}
+    for e in report["ar"]:
+        assert e["committed_per_step"] == 1.0
+        assert close(e["tokens_per_s"], e["batch"] / e["step_s"]["mean"])
+    for e in report["ddtree"]:
+        step, ar_step = e["step_s"]["mean"], ar[e["batch"]]["step_s"]["mean"]
+        assert close(e["tokens_per_s"], e["batch"] * e["committed_per_step"] / step)
+        assert close(e["break_even_committed"], step / ar_step)
+        assert close(e["speedup_vs_ar"], e["tokens_per_s"] / ar[e["batch"]]["tokens_per_s"])
+        assert close(e["speedup_vs_ar"], e["committed_per_step"] / e["break_even_committed"])
+
+
+def test_floor_is_positive_and_the_ratio_uses_it(report):
+    rate = report["bandwidth"]["bytes_per_s"]
+    for e in report["ar"] + report["ddtree"]:
+        fl = e["floor"]
+        assert fl["floor_s"] > 0 and fl["total_bytes"] > 0
+        assert close(fl["total_bytes"], sum(fl["bytes"].values()))
+        assert close(fl["floor_s"], fl["total_bytes"] / rate)
+        assert close(e["step_over_floor"], e["step_s"]["mean"] / fl["floor_s"])
+
+
+def test_weight_bytes_cover_the_model_and_int4_experts(report):
+    cfg = ModelConfig.from_hf(report["model"]["config"])
+    shell = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16, device="meta")
+    wb = report["model"]["weight_bytes"]
+    assert sum(wb.values()) == sum(p.numel() * p.element_size() for p in shell.parameters())
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    per_expert = (2 * i * h) // 2 + (2 * i * h // 32) * 2 + (h * i) // 2 + (h * i // 32) * 2
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert wb["experts"] == moe_layers * cfg.n_routed_experts * per_expert
+    e = report["ar"][0]["floor"]
+    assert e["expert_bytes_each"] == per_expert and e["moe_layers"] == moe_layers
+    assert e["bytes"]["fixed_weights"] == sum(wb.values()) - wb["experts"] - wb["embedding"]
+
+
+def test_distinct_experts_are_measured_within_their_bounds(report):
+    cfg = ModelConfig.from_hf(report["model"]["config"])
+    e_num, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    for e in report["ar"] + report["ddtree"]:
+        fl, t = e["floor"], e["tokens_per_forward"]
+        assert k <= fl["distinct_experts_layer_min"] <= fl["distinct_experts_layer_max"]
+        assert fl["distinct_experts_layer_max"] <= min(e_num, t * k)
+        assert close(fl["uniform_distinct_per_layer"], e_num * (1 - (1 - k / e_num) ** t))
+    one = next(e for e in report["ar"] if e["batch"] == 1)["floor"]
+    assert one["distinct_experts_per_layer"] == k  # one token picks exactly k experts
+
+
+def test_kv_read_counts_prefix_and_block(report):
+    cfg = ModelConfig.from_hf(report["model"]["config"])
+    per_token = cfg.kv_latent_dim * 2 * cfg.num_hidden_layers  # bf16 latent, every layer
+    prefix = report["args"]["prefix"]
+    for e in report["ar"] + report["ddtree"]:
+        fl = e["floor"]
+        assert close(fl["bytes"]["kv_read"], fl["kv_tokens_per_stream"] * e["batch"] * per_token)
+        assert fl["kv_tokens_per_stream"] > prefix
+
+
+def test_perfect_oracle_commits_full_chains_equal_to_ar(report):
+    depth = report["args"]["depth"]
+    for e in report["ddtree"]:
+        assert e["matches_ar_greedy"] == 1.0  # DDTree output == AR greedy, token for token
+        full = min(depth, e["budget"]) + 1
+        if e["corrupt"] == 0.0:
+            assert e["committed_per_step"] == full
+        else:
+            assert 1.0 <= e["committed_per_step"] <= full
+
+
+def test_split_has_every_stage(report):
+    for e in report["ddtree"]:
+        split = e["split_s"]
+        assert set(split) == {"draft", "build", "prep", "verify", "accept_commit"}
+        assert all(v > 0 for v in split.values())
+
+
+def test_max_seconds_skips_and_records_configurations():
+    rep = bench_engine.main([*SMALL, "--max-seconds", "0", "--batches", "1,2", "--budgets", "2"])
+    assert [e["batch"] for e in rep["ar"]] == [2]  # the continuation run always happens
+    assert rep["ddtree"] == []
+    kinds = sorted((s["kind"], s["batch"]) for s in rep["skipped"])
+    assert kinds == [("ar", 1), ("ddtree", 1), ("ddtree", 1), ("ddtree", 2), ("ddtree", 2)]
+
+
+def test_rewind_returns_every_slot():
+    cfg = ModelConfig.from_hf(rank_slice_config(2, small=True))
+    model = build_random_model(cfg, torch.device("cpu"))
+    runner = ModelRunner.from_model(model, cfg, engine_cfg=EngineConfig(num_slots=256, budget=4))
+    bench = EngineBench(runner, [[5, 6, 7, 8], [9, 10, 11]], max_tokens=40, graph_reps=0)
+    free = runner.free_slots
+    first = bench.run_ar([0, 1], warmup=1, steps=3)
+    assert runner.free_slots == free - 2 * 4
+    bench.run_ddtree([0, 1], 4, warmup=0, steps=2, split_steps=1, depth=3, margin=20.0)
+    bench.rewind([0, 1])
+    assert runner.free_slots == free
+    again = bench.run_ar([0, 1], warmup=1, steps=3)
+    assert [runner.streams[s].output for s in (0, 1)] == [
+        bench.continuation[(5, 6, 7, 8)],
+        bench.continuation[(9, 10, 11)],
+    ]
+    assert first.committed == again.committed == [2, 2, 2]
