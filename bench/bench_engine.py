@@ -15,6 +15,8 @@ drafter's acceptance cannot be measured here, only step cost and break-even.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -106,9 +108,8 @@ def continuation_length(args: argparse.Namespace) -> int:
     return max(args.warmup + args.steps, args.split_steps) * per_step + 1
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
+def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
+    """Build the model on the device, prefill C_max streams, measure copy bandwidth."""
     device = torch.device(args.device)
     layers = fit_layers(args, device)
     raw = rank_slice_config(layers, args.small)
@@ -116,10 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"building a random {'small' if args.small else 'K2.6 rank-slice'} model: {layers} "
           f"layers on {device}", flush=True)  # fmt: skip
     model = build_random_model(mcfg, device, seed=args.seed)
-    cont = continuation_length(args)
-    c_max, max_tokens = max(args.batches), cont + args.depth + 2
+    c_max, max_tokens = max(args.batches), continuation_length(args) + args.depth + 2
     per_stream = args.prefix + max_tokens + max(args.budgets) + 1
-    ecfg = EngineConfig(num_slots=c_max * per_stream + 16, budget=max(args.budgets),
+    slack = 8 * c_max * (max(args.budgets) + 1)  # block slots a failed step may leave behind
+    ecfg = EngineConfig(num_slots=c_max * per_stream + slack, budget=max(args.budgets),
                         prefill_chunk=args.prefill_chunk, seed=args.seed)  # fmt: skip
     runner = ModelRunner.from_model(model, mcfg, engine_cfg=ecfg)
     gen = torch.Generator().manual_seed(args.seed)
@@ -129,48 +130,84 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.prefix} tokens", flush=True)  # fmt: skip
     bench = EngineBench(runner, prompts, max_tokens, args.graph_reps)
     report = dict(
-        benchmark="engine", notes=NOTES, args={k: v for k, v in vars(args).items()},
+        benchmark="engine", notes=NOTES, args=dict(vars(args)), env=environment(device),
         layers=layers, layers_requested=args.layers, bandwidth=bw,
         model=dict(config=raw, weight_bytes=parameter_bytes(model), init=INIT),
         prefill=dict(tokens=bench.prefill_tokens, seconds=bench.prefill_s,
                      tokens_per_s=bench.prefill_tokens / bench.prefill_s),
-        ar=[], ddtree=[], skipped=[],
+        ar=[], ddtree=[], skipped=[], errors=[],
     )  # fmt: skip
-    deadline = t_start + args.max_seconds
-    ar_by_c = {}
+    return bench, report
+
+
+def guarded(report: dict, out: str | None, deadline: float, what: dict, fn) -> dict | None:
+    """Run one configuration unless past the deadline; record a skip or an error instead of
+    stopping, and rewrite the JSON after each configuration (a killed run keeps its results)."""
+    if time.perf_counter() > deadline:
+        report["skipped"].append(dict(what, reason="max-seconds"))
+        return None
+    try:
+        entry = fn()
+    except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest
+        report["errors"].append(dict(what, error=f"{type(e).__name__}: {str(e)[:500]}"))
+        print(f"error in {what}: {type(e).__name__}: {e}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+    report["ar" if what["kind"] == "ar" else "ddtree"].append(entry)
+    write_json(out, report, quiet=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    bench, report = setup(args)
+    runner, bw, deadline = bench.runner, report["bandwidth"], t_start + args.max_seconds
+    c_max, ar_by_c = max(args.batches), {}
     # The AR run over all streams makes the oracle's continuation; it is also C_max's AR timing.
-    order = [c_max] + [c for c in args.batches if c != c_max]
-    for c in order:
-        sids = bench.sids[:c]
-        n = cont - args.warmup if c == c_max else args.steps
-        if c != c_max and time.perf_counter() > deadline:
-            report["skipped"].append(dict(kind="ar", batch=c, reason="max-seconds"))
+    for c in [c_max] + [c for c in args.batches if c != c_max]:
+        n = continuation_length(args) - args.warmup if c == c_max else args.steps
+
+        def run_ar(c=c, n=n) -> dict:
+            return ar_entry(bench.run_ar(bench.sids[:c], args.warmup, n), c, runner, bw)
+
+        until = math.inf if c == c_max else deadline
+        entry = guarded(report, args.out, until, dict(kind="ar", batch=c), run_ar)
+        if entry is not None:
+            ar_by_c[c] = entry
+            print(f"AR C={c}: {entry['step_s']['mean'] * 1e3:.2f} ms/step", flush=True)
+    for c, budget, corrupt in itertools.product(args.batches, args.budgets, args.corrupt):
+        what = dict(kind="ddtree", batch=c, budget=budget, corrupt=corrupt)
+        if c not in ar_by_c:
+            report["skipped"].append(dict(what, reason="no AR baseline at this batch size"))
             continue
-        res = bench.run_ar(sids, args.warmup, n)
-        ar_by_c[c] = ar_entry(res, c, runner, bw)
-        report["ar"].append(ar_by_c[c])
-        print(f"AR C={c}: {ar_by_c[c]['step_s']['mean'] * 1e3:.2f} ms/step", flush=True)
-    for c in args.batches:
-        for budget in args.budgets:
-            for corrupt in args.corrupt:
-                cfg_id = dict(kind="ddtree", batch=c, budget=budget, corrupt=corrupt)
-                if c not in ar_by_c or time.perf_counter() > deadline:
-                    report["skipped"].append(dict(cfg_id, reason="max-seconds"))
-                    continue
-                res = bench.run_ddtree(
-                    bench.sids[:c], budget, args.warmup, args.steps, args.split_steps,
-                    depth=args.depth, corrupt=corrupt, margin=args.margin, seed=args.seed,
-                )  # fmt: skip
-                entry = ddtree_entry(res, c, budget, corrupt, runner, bw, ar_by_c[c])
-                report["ddtree"].append(entry)
-                print(f"DDTree C={c} budget={budget} corrupt={corrupt}: "
-                      f"{entry['step_s']['mean'] * 1e3:.2f} ms/step, "
-                      f"{entry['committed_per_step']:.2f} tok/stream/step", flush=True)  # fmt: skip
-    report["memory"] = memory(device)
+
+        def run(c=c, budget=budget, corrupt=corrupt) -> dict:
+            res = bench.run_ddtree(
+                bench.sids[:c], budget, args.warmup, args.steps, args.split_steps,
+                depth=args.depth, corrupt=corrupt, margin=args.margin, seed=args.seed,
+            )  # fmt: skip
+            return ddtree_entry(res, c, budget, corrupt, runner, bw, ar_by_c[c])
+
+        entry = guarded(report, args.out, deadline, what, run)
+        if entry is not None:
+            print(f"DDTree C={c} budget={budget} corrupt={corrupt}: "
+                  f"{entry['step_s']['mean'] * 1e3:.2f} ms/step, "
+                  f"{entry['committed_per_step']:.2f} tok/stream/step", flush=True)  # fmt: skip
+    report["memory"] = memory(runner.device)
     report["elapsed_s"] = time.perf_counter() - t_start
     print_table(report)
     write_json(args.out, report)
     return report
+
+
+def environment(device: torch.device) -> dict:
+    env = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
+               device=str(device))  # fmt: skip
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
 
 
 def memory(device: torch.device) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 from engine_model import parameter_bytes, weight_bytes_per_layer
@@ -145,11 +146,15 @@ def print_table(report: dict) -> None:
         print(f"skipped (max-seconds): {s}")
 
 
-def write_json(path: str | None, report: dict) -> None:
+def write_json(path: str | None, report: dict, quiet: bool = False) -> None:
+    """Write (atomically: a reader never sees half a file) or, without a path, print."""
     text = json.dumps(report, indent=1)
     if path:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             f.write(text)
-        print(f"wrote {path}")
-    else:
+        os.replace(tmp, path)
+        if not quiet:
+            print(f"wrote {path}")
+    elif not quiet:
         print(text)

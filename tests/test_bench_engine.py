@@ -42,7 +42,7 @@ def test_every_configuration_ran(report):
     assert {e["batch"] for e in report["ar"]} == set(args["batches"])
     want = {(c, b, x) for c in args["batches"] for b in args["budgets"] for x in args["corrupt"]}
     assert {(e["batch"], e["budget"], e["corrupt"]) for e in report["ddtree"]} == want
-    assert report["skipped"] == []
+    assert report["skipped"] == [] and report["errors"] == []
 
 
 def test_throughput_and_break_even_follow_from_step_times(report):
@@ -128,6 +128,21 @@ def test_max_seconds_skips_and_records_configurations():
     assert rep["ddtree"] == []
     kinds = sorted((s["kind"], s["batch"]) for s in rep["skipped"])
     assert kinds == [("ar", 1), ("ddtree", 1), ("ddtree", 1), ("ddtree", 2), ("ddtree", 2)]
+
+
+def test_a_failing_configuration_is_recorded_and_the_rest_still_run(monkeypatch):
+    real = EngineBench.run_ddtree
+
+    def flaky(self, sids, budget, *args, **kwargs):
+        if budget == 2:
+            raise RuntimeError("boom")
+        return real(self, sids, budget, *args, **kwargs)
+
+    monkeypatch.setattr(EngineBench, "run_ddtree", flaky)
+    rep = bench_engine.main([*SMALL, "--batches", "1", "--budgets", "2,4", "--corrupt", "0"])
+    assert [(e["budget"], e["error"]) for e in rep["errors"]] == [(2, "RuntimeError: boom")]
+    assert [e["budget"] for e in rep["ddtree"]] == [4]
+    assert rep["ddtree"][0]["committed_per_step"] == 5  # the failed run left nothing behind
 
 
 def test_rewind_returns_every_slot():
