@@ -21,7 +21,10 @@ NOTES = [
     "this slice and its logits would be all-gathered to the full vocabulary; the all-gather "
     "and the 2 all-reduces per layer are not in this run (tp=1, no collectives).",
     "break_even_committed = DDTree step / AR step (tokens one stream must commit per DDTree "
-    "step to match AR tokens/s at the same C); speedup_vs_ar = committed_per_step / that.",
+    "step to match AR tokens/s at the same C); speedup_vs_ar = committed_per_step / that. "
+    "break_even_committed_graph uses the CUDA-graph-replayed forwards instead (launch overhead "
+    "removed); break_even_committed_floor the two bandwidth floors (what a bandwidth-bound "
+    "engine would need).",
     "floor = (attention + dense + shared expert + router + norms + lm_head bytes + embedding "
     "rows + distinct experts touched x expert bytes + KV bytes read) / copy bandwidth (bytes "
     "read + written per second of a device-to-device copy); distinct experts are measured per "
@@ -104,6 +107,8 @@ def ddtree_entry(
 ) -> dict:
     e = _common(res, c, c * (budget + 1), runner, bw)
     break_even = e["step_s"]["mean"] / ar["step_s"]["mean"]
+    graphs = (e["graph_forward_s"], ar["graph_forward_s"])
+    graph_even = graphs[0] / graphs[1] if all(isinstance(g, float) for g in graphs) else None
     return dict(
         e,
         budget=budget,
@@ -112,6 +117,8 @@ def ddtree_entry(
         ar_tokens_per_s=ar["tokens_per_s"],
         speedup_vs_ar=e["tokens_per_s"] / ar["tokens_per_s"],
         break_even_committed=break_even,
+        break_even_committed_graph=graph_even,
+        break_even_committed_floor=e["floor"]["floor_s"] / ar["floor"]["floor_s"],
         matches_ar_greedy=res.matches_ar,
         split_s=res.split_s,
     )
@@ -121,29 +128,35 @@ def _ms(x) -> str:
     return f"{x * 1e3:8.2f}" if isinstance(x, float) else f"{'-':>8}"
 
 
+def _x(x) -> str:
+    return f"{x:6.2f}" if isinstance(x, float) else f"{'-':>6}"
+
+
 def print_table(report: dict) -> None:
-    head = (f"{'C':>3} {'budget':>6} {'corr':>5} {'step ms':>8} {'AR ms':>8} {'commit':>6} "
-            f"{'tok/s':>8} {'xAR':>5} {'brk-even':>8} {'experts':>12} {'floor ms':>8} "
-            f"{'step/fl':>7} {'graph ms':>8}")  # fmt: skip
-    print(head)
-    rows = [(e, "AR", "") for e in report["ar"]] + [
-        (e, e["budget"], e["corrupt"]) for e in report["ddtree"]
-    ]
+    """One row per configuration; be = break-even committed tokens per stream per step
+    (eager step / graph-replayed forward / bandwidth floor)."""
+    print(f"{'C':>3} {'budget':>6} {'corr':>5} {'step ms':>8} {'AR ms':>8} {'commit':>6} "
+          f"{'tok/s':>8} {'xAR':>6} {'be':>6} {'be-gr':>6} {'be-fl':>6} {'experts':>11} "
+          f"{'floor ms':>8} {'step/fl':>7} {'graph ms':>8}")  # fmt: skip
+    rows = [(e, "AR", "") for e in report["ar"]]
+    rows += [(e, e["budget"], e["corrupt"]) for e in report["ddtree"]]
     for e, budget, corr in rows:
-        ar_ms = e.get("ar_step_s", e["step_s"]["mean"])
         fl = e["floor"]
         experts = f"{fl['distinct_experts_per_layer']:.0f}({fl['uniform_distinct_per_layer']:.0f})"
         print(
-            f"{e['batch']:>3} {budget!s:>6} {corr!s:>5} {_ms(e['step_s']['mean'])} {_ms(ar_ms)} "
-            f"{e['committed_per_step']:6.2f} {e['tokens_per_s']:8.1f} "
-            f"{e.get('speedup_vs_ar', 1.0):5.2f} {e.get('break_even_committed', 1.0):8.2f} "
-            f"{experts:>12} {_ms(fl['floor_s'])} {e['step_over_floor']:7.1f} "
-            f"{_ms(e['graph_forward_s'])}"
+            f"{e['batch']:>3} {budget!s:>6} {corr!s:>5} {_ms(e['step_s']['mean'])} "
+            f"{_ms(e.get('ar_step_s', e['step_s']['mean']))} {e['committed_per_step']:6.2f} "
+            f"{e['tokens_per_s']:8.1f} {_x(e.get('speedup_vs_ar'))} "
+            f"{_x(e.get('break_even_committed'))} {_x(e.get('break_even_committed_graph'))} "
+            f"{_x(e.get('break_even_committed_floor'))} {experts:>11} {_ms(fl['floor_s'])} "
+            f"{e['step_over_floor']:7.1f} {_ms(e['graph_forward_s'])}"
         )
     print("experts = measured distinct per layer (uniform-routing expectation); floor at "
           f"{report['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s copy bandwidth")  # fmt: skip
     for s in report["skipped"]:
-        print(f"skipped (max-seconds): {s}")
+        print(f"skipped: {s}")
+    for s in report["errors"]:
+        print(f"error: {s}")
 
 
 def write_json(path: str | None, report: dict, quiet: bool = False) -> None:

@@ -54,6 +54,9 @@ def test_throughput_and_break_even_follow_from_step_times(report):
         step, ar_step = e["step_s"]["mean"], ar[e["batch"]]["step_s"]["mean"]
         assert close(e["tokens_per_s"], e["batch"] * e["committed_per_step"] / step)
         assert close(e["break_even_committed"], step / ar_step)
+        floor_ratio = e["floor"]["floor_s"] / ar[e["batch"]]["floor"]["floor_s"]
+        assert close(e["break_even_committed_floor"], floor_ratio)
+        assert e["break_even_committed_graph"] is None  # no CUDA graphs on CPU
         assert close(e["speedup_vs_ar"], e["tokens_per_s"] / ar[e["batch"]]["tokens_per_s"])
         assert close(e["speedup_vs_ar"], e["committed_per_step"] / e["break_even_committed"])
 
