@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--margin", type=float, default=20.0, help="oracle logit margin (20: chain)")
     ap.add_argument("--prefill-chunk", type=int, help="prefill forward size in tokens (2048)")
     ap.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (1024 MiB)")
-    ap.add_argument("--graph-reps", type=int, default=20, help="CUDA-graph replays (0: off)")
+    ap.add_argument("--graph-reps", type=int, default=5, help="CUDA-graph replays (0: off)")
     skip = "start no configuration past this many seconds (recorded as skipped)"
     ap.add_argument("--max-seconds", type=float, default=240.0, help=skip)
     ap.add_argument("--seed", type=int, default=0)

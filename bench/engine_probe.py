@@ -144,7 +144,7 @@ def capture_forward_inputs(runner: ModelRunner, sink: list) -> Iterator[None]:
         yield
 
 
-def graph_replay_seconds(runner: ModelRunner, inputs: tuple, reps: int = 20) -> float | str:
+def graph_replay_seconds(runner: ModelRunner, inputs: tuple, reps: int = 5) -> float | str:
     """Device time of one target forward with launch overhead removed: the forward captured
     into a CUDA graph (same inputs; it rewrites the same KV slots) and replayed `reps` times.
     A lower bound on what a captured engine step spends in the forward. Returns a reason

@@ -75,7 +75,7 @@ class EngineBench:
     """The runner, its C_max prefilled streams, and the post-prefill state to rewind to."""
 
     def __init__(
-        self, runner: ModelRunner, prompts: list[list[int]], max_tokens: int, graph_reps: int = 20
+        self, runner: ModelRunner, prompts: list[list[int]], max_tokens: int, graph_reps: int = 5
     ) -> None:
         self.runner, self.clock, self.graph_reps = runner, Clock(runner.device), graph_reps
         self.base_cfg = runner.cfg
