@@ -139,7 +139,8 @@ def build_random_model(
     for name, p in model.named_parameters():
         _fill_(name, p.data, gen)
     emb = model.model.embed_tokens.weight  # [V, D]
-    perm = torch.randperm(emb.shape[0], generator=gen, device=device)  # next token of t
+    cpu_gen = torch.Generator().manual_seed(seed)  # host randperm: CUDA may route small n via CPU
+    perm = torch.randperm(emb.shape[0], generator=cpu_gen).to(device)  # [V] next token of t
     unit = emb.float() / EMBED_RMS  # rows of RMS ~1
     head = torch.empty_like(unit)
     head[perm] = unit  # row perm[t] = unit embedding of t: token t -> perm[t]
