@@ -252,12 +252,20 @@ class ModelRunner:
         return self._finish(outs)
 
     @torch.no_grad()
-    def ddtree_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
+    def ddtree_step(
+        self, sids: list[Hashable], budget: int | None = None
+    ) -> dict[Hashable, StepOutput]:
         """Draft -> build -> verify (one forward over every stream's budget+1 nodes) -> accept
-        -> commit (keep the root's and accepted nodes' slots, free the rest)."""
+        -> commit (keep the root's and accepted nodes' slots, free the rest).
+
+        `budget` (default: the engine's) lets the caller pick a tree size per batch bucket; it
+        may not exceed the engine's budget, which admission reserved slots for."""
         if self.drafter is None:
             raise RuntimeError("ddtree_step needs a drafter")
-        sts, n = self._active(sids), self.cfg.budget
+        n = self.cfg.budget if budget is None else budget
+        if not 1 <= n <= self.cfg.budget:
+            raise ValueError(f"budget must be in [1, {self.cfg.budget}], got {n}")
+        sts = self._active(sids)
         bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
         tree = build_tree(self.drafter.draft(list(sids), bonus), n)
         blocks = [self.allocator.alloc(n + 1) for _ in sts]
