@@ -29,7 +29,8 @@ class _SamplingFields(_Request):
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension (vLLM/SGLang): 0 disables
+    # extension (vLLM/SGLang): 0 disables. Bounded so the engine's int64 tensors hold it.
+    top_k: int = Field(0, ge=0, le=2**31 - 1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
