@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -69,6 +70,10 @@ def _token_str(tok: str | dict | None) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, config: dict) -> None:
         self._tok = tok
@@ -78,6 +83,7 @@ class Tokenizer:
         self.eos_token_id = tok.token_to_id(self.eos_token) if self.eos_token else None
         template = config.get("chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception  # as HF: templates reject bad input
         self._template = env.from_string(template) if template else None
 
     @classmethod

@@ -57,3 +57,32 @@ def test_top_k_beyond_int64_is_a_400_not_an_engine_crash() -> None:
     req = CompletionRequest(prompt="hi", top_k=2**31 - 1)
     _, params, _ = prepare_completion(req, MODEL, ByteTok(), CTX)
     torch.tensor([params.top_k])  # fits
+
+
+def test_chat_template_errors_are_a_400(tmp_path) -> None:
+    # HF chat templates reject bad conversations with raise_exception(...) (a jinja error here).
+    write_byte_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ raise_exception('roles must alternate') }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(jinja2.TemplateError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    r = _post(
+        _app(tok=tok), "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "roles must alternate" in r.json()["error"]["message"]
+
+
+def test_completions_work_for_a_tokenizer_without_bos(tmp_path) -> None:
+    write_byte_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["bos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(tmp_path)
+    r = _post(_app(tok=tok), "/v1/completions", {"prompt": "abc", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "abc" and r.json()["usage"]["prompt_tokens"] == 3
+
+

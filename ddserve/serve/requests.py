@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
 from ddserve.sampling import SamplingParams
 from ddserve.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -101,8 +103,8 @@ def prepare_completion(
                 400, f"Only one prompt per request is supported, got {len(prompt)}.", param="prompt"
             )
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tok.encode(prompt, add_bos=True)
+    if isinstance(prompt, str):  # BOS first, when the tokenizer has one
+        ids = tok.encode(prompt, add_bos=getattr(tok, "bos_token_id", None) is not None)
     else:
         ids = [int(t) for t in prompt]
         _check_token_ids(ids, getattr(tok, "vocab_size", None), "prompt")
@@ -120,7 +122,7 @@ def prepare_chat(
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text = tok.apply_chat_template(messages)
-    except ValueError as e:  # e.g. the checkpoint ships no chat template
+    except (ValueError, jinja2.TemplateError) as e:  # no template, or it refused the messages
         raise ApiError(
             400,
             f"Cannot build a chat prompt for this model: {e}. Use "
