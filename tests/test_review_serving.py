@@ -86,3 +86,25 @@ def test_completions_work_for_a_tokenizer_without_bos(tmp_path) -> None:
     assert r.json()["choices"][0]["text"] == "abc" and r.json()["usage"]["prompt_tokens"] == 3
 
 
+# ---- usage with stop strings ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_tokens_up_to_the_one_completing_the_stop_string(stream: bool) -> None:
+    # The fake engine commits 3 tokens per delta (like a DDTree step accepting 3). Plain AR
+    # decoding would stop after the token that completes "b": 2 completion tokens, whatever
+    # the engine's step size. Usage must not depend on how many tokens a step accepted.
+    body = {"prompt": "abcdef", "max_tokens": 10, "stop": "b", "stream": stream,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    r = _post(_app(FakeEngine(chunk=3)), "/v1/completions", body)
+    assert r.status_code == 200
+    if stream:
+        chunks = _sse_json(r)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        usage = chunks[-1]["usage"]
+    else:
+        text, usage = r.json()["choices"][0]["text"], r.json()["usage"]
+    assert text == "a"
+    assert usage["completion_tokens"] == 2 and usage["total_tokens"] == 8
+
+

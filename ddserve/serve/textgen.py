@@ -77,8 +77,14 @@ class TextStream:
             await aclose()
 
     def _consume(self, delta: TokenDelta) -> TextDelta | None:
-        self.completion_tokens += len(delta.token_ids)
-        text = self._stop.push(self._detok.push(delta.token_ids))
+        # Token by token, so a stop string ends the count at the token that completes it: usage
+        # is then what autoregressive decoding reports, however many tokens a step committed.
+        text = ""
+        for t in delta.token_ids:
+            self.completion_tokens += 1
+            text += self._stop.push(self._detok.push([t]))
+            if self._stop.stopped:
+                break
         reason = delta.finish_reason
         self._engine_done = self._engine_done or reason is not None
         if reason is not None and not self._stop.stopped:
