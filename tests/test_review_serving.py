@@ -108,3 +108,27 @@ def test_usage_counts_tokens_up_to_the_one_completing_the_stop_string(stream: bo
     assert usage["completion_tokens"] == 2 and usage["total_tokens"] == 8
 
 
+# ---- engine errors after the admission ack --------------------------------------------------
+
+
+class _RejectingEngine(FakeEngine):
+    """Acks admission, then rejects (what the Router does when a shard refuses a stream)."""
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta()
+        raise RequestRejected("request does not fit in the KV cache")
+
+
+def test_rejection_after_the_ack_is_a_400_not_a_500() -> None:
+    r = _post(_app(_RejectingEngine()), "/v1/completions", {"prompt": "hi"})
+    assert r.status_code == 400 and "KV cache" in r.json()["error"]["message"]
+
+
+def test_rejection_after_the_ack_sends_an_error_event_when_streaming() -> None:
+    r = _post(_app(_RejectingEngine()), "/v1/completions", {"prompt": "hi", "stream": True})
+    errors = [e["error"] for e in _sse_json(r) if "error" in e]
+    assert errors and "KV cache" in errors[0]["message"] and errors[0]["code"] == 400
+
+

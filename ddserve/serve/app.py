@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ddserve.actors.client import EngineClient, EngineDead, QueueFull, RequestRejected
+from ddserve.actors.client import EngineClient, EngineDead, EngineError, QueueFull, RequestRejected
 from ddserve.serve import metrics
 from ddserve.serve.protocol import (
     ChatChoice,
@@ -157,17 +157,8 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
         stream = TextStream(engine, model.tokenizer, rid, ids, params, stops)
         try:
             await stream.start()
-        except QueueFull as e:
-            raise ApiError(
-                429,
-                str(e),
-                type="rate_limit_exceeded",
-                headers={"Retry-After": str(max(1, round(e.retry_after)))},
-            ) from e
-        except RequestRejected as e:
-            raise ApiError(400, str(e)) from e
-        except EngineDead as e:
-            raise ApiError(503, str(e), type="service_unavailable") from e
+        except EngineError as e:
+            raise engine_api_error(e) from e
         return stream
 
     async def _collect(stream: TextStream) -> tuple[str, str | None]:
@@ -176,8 +167,8 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
             async for d in stream:
                 parts.append(d.text)
                 reason = d.finish_reason
-        except EngineDead as e:
-            raise ApiError(503, str(e), type="service_unavailable") from e
+        except EngineError as e:  # after the admission ack, e.g. rejected by the shards
+            raise engine_api_error(e) from e
         except BaseException:
             counters.finish("cancelled", stream.prompt_tokens, stream.completion_tokens)
             raise
@@ -231,15 +222,26 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
                 yield _data(usage_chunk(Usage.of(stream.prompt_tokens, stream.completion_tokens)))
             yield "data: [DONE]\n\n"
             status = "ok"
-        except EngineDead as e:
-            status = "failed"
-            err = ErrorInfo(message=str(e), type="service_unavailable", code=503)
+        except EngineError as e:  # the HTTP status is already sent: an error event instead
+            status = "failed" if isinstance(e, EngineDead) else "invalid"
+            api = engine_api_error(e)
+            err = ErrorInfo(message=api.message, type=api.type, code=api.status)
             yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
         finally:
             counters.finish(status, stream.prompt_tokens, stream.completion_tokens)
             await stream.close()
 
     return app
+
+
+def engine_api_error(e: EngineError) -> ApiError:
+    """The HTTP error for an engine-side failure (see ddserve.actors.client)."""
+    if isinstance(e, QueueFull):
+        retry = str(max(1, round(e.retry_after)))
+        return ApiError(429, str(e), type="rate_limit_exceeded", headers={"Retry-After": retry})
+    if isinstance(e, RequestRejected):
+        return ApiError(400, str(e))
+    return ApiError(503, str(e), type="service_unavailable")
 
 
 class BaseModelLike(Protocol):
