@@ -132,3 +132,26 @@ def test_rejection_after_the_ack_sends_an_error_event_when_streaming() -> None:
     assert errors and "KV cache" in errors[0]["message"] and errors[0]["code"] == 400
 
 
+# ---- deployment config ----------------------------------------------------------------------
+
+
+def test_max_queue_zero_is_refused_rather_than_answering_every_request_429() -> None:
+    # Every request passes through the waiting queue, so max_queue=0 rejects all of them.
+    with pytest.raises(ValueError, match="max_queue"):
+        ServeConfig.model_validate({"max_queue": 0})
+    with pytest.raises(ValueError, match="max_queue"):
+        RouterConfig(ShardSpec("m"), max_queue=0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"buckets": (1, 2, 4, 8, 12, 16), "budgets": (16, 8, 0, 4, 4, 4)},  # budget 0
+        {"buckets": (1, 2, 4, 8, 12, 16), "budgets": (16, 8, -1, 4, 4, 4)},
+        {"buckets": (0, 4, 16)},
+        {"buckets": (16, 1, 8)},  # unsorted: 1 stream would be padded to 16
+    ],
+)
+def test_bad_buckets_or_budgets_fail_at_config_time_not_at_the_first_step(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        RouterConfig(ShardSpec("m", budget=16), max_streams=8, **kw)

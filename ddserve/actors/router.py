@@ -43,6 +43,13 @@ class RouterConfig:
     step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        b = self.buckets
+        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
+            raise ValueError(f"buckets must be increasing positive batch sizes, got {b}")
+        if self.budgets is not None and min(self.budgets, default=1) < 1:
+            raise ValueError(f"per-bucket budgets must be >= 1, got {self.budgets}")
+        if self.max_queue < 1:  # every request waits in the queue before it is admitted
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if not 1 <= self.max_streams <= max(self.buckets):
             raise ValueError(f"max_streams must be in [1, {max(self.buckets)}] (largest bucket)")
         if self.budgets is not None and len(self.budgets) != len(self.buckets):

@@ -34,7 +34,7 @@ class ServeConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 GPU, fp32 CPU
     speculative: bool = True
     max_streams: int = Field(10, ge=1, le=16)
-    max_queue: int = Field(64, ge=0)
+    max_queue: int = Field(64, ge=1)  # every request passes through the queue
     budget: int = Field(16, ge=1)
     buckets: list[int] = [1, 2, 4, 8, 12, 16]
     budgets: list[int] | None = None
