@@ -124,9 +124,12 @@ class NcclComm(Communicator):
         self._nccl = nccl
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device())
-        uid = tuple(b - 256 if b >= 128 else b for b in unique_id)  # NCCL's id is signed chars
         with cupy.cuda.Device(self.device.index):
-            self._comm = nccl.NcclCommunicator(world_size, uid, rank)
+            try:  # CuPy >= 14 takes the id as bytes
+                self._comm = nccl.NcclCommunicator(world_size, bytes(unique_id), rank)
+            except TypeError:  # older CuPy: a tuple of signed chars
+                uid = tuple(b - 256 if b >= 128 else b for b in unique_id)
+                self._comm = nccl.NcclCommunicator(world_size, uid, rank)
 
     @staticmethod
     def make_unique_id() -> bytes:

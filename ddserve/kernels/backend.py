@@ -11,6 +11,19 @@ import torch
 log = logging.getLogger(__name__)
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_only(fast: Callable, ref: Callable) -> Callable:
+    """GPU kernels take 16-bit activations; float32 runs (exactness checks) use the reference."""
+
+    @functools.wraps(fast)
+    def call(x: torch.Tensor, *args, **kwargs):
+        return (fast if x.dtype in HALF else ref)(x, *args, **kwargs)
+
+    return call
+
+
 @functools.cache
 def tree_attention(device_type: str) -> Callable:
     """`tree_mla_attention_ref`'s signature; Triton on CUDA when it imports, else the reference."""
@@ -21,7 +34,8 @@ def tree_attention(device_type: str) -> Callable:
         try:
             from ddserve.kernels.tree_attn_triton import tree_mla_attention
 
-            impl, name = tree_mla_attention, "triton"
+            impl = _half_only(tree_mla_attention, tree_mla_attention_ref)
+            name = "triton (bf16/fp16; float32 uses the reference)"
         except ImportError as e:  # pragma: no cover - depends on the machine
             log.warning("triton tree attention unavailable (%s); using the torch reference", e)
     log.info("tree attention backend on %s: %s", device_type, name)
@@ -40,8 +54,8 @@ def moe(device_type: str) -> Callable:
             ("ddserve.kernels.moe_triton", "fused_moe", "triton"),
         ):
             try:
-                impl = getattr(__import__(module, fromlist=[fn]), fn)
-                name = label
+                impl = _half_only(getattr(__import__(module, fromlist=[fn]), fn), moe_ref)
+                name = f"{label} (bf16/fp16; float32 uses the reference)"
                 break
             except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the machine
                 log.info("moe backend %s unavailable: %s", label, e)
