@@ -55,16 +55,28 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--budgets", default="4,16,64")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--drafters", default="dflash,oracle-corrupt-0.3")
+    ap.add_argument("--ref", default="", help="comma list of kernels to force to the torch "
+                    "reference: attn, moe (to tell a kernel's effect from the engine's)")
     args = ap.parse_args()
+    from ddserve.kernels import backend
+    from ddserve.kernels.moe_ref import moe_ref
+    from ddserve.kernels.tree_attn import tree_mla_attention_ref
+
+    if "attn" in args.ref:
+        backend.tree_attention = lambda device_type: tree_mla_attention_ref
+    if "moe" in args.ref:
+        backend.moe = lambda device_type: moe_ref
     model = make_tiny(Path(tempfile.mkdtemp()) / "tiny", int4=True, seed=0)
     budgets = [int(b) for b in args.budgets.split(",")]
     rows = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.dtypes.split(","):
         cfg = EngineConfig(num_slots=8192, budget=max(budgets), dtype=dtype)
         ref, ar_steps = decode_all(ModelRunner(model, engine_cfg=cfg, device=args.device),
                                    args.max_tokens, False, None)  # fmt: skip
         oracle = {tuple(p): r for p, r in zip(PROMPTS, ref, strict=True)}
-        for kind in ("dflash", "oracle-corrupt-0.3"):
+        for kind in args.drafters.split(","):
             for budget in budgets:
                 if kind == "dflash":
                     drafter = model / "drafter"
@@ -75,7 +87,8 @@ def main() -> None:
                 got, steps = decode_all(runner, args.max_tokens, True, budget)
                 diffs = [first_diff(g, r) for g, r in zip(got, ref, strict=True)]
                 rows.append(dict(
-                    dtype=dtype, drafter=kind, budget=budget, streams=len(PROMPTS),
+                    ref_kernels=args.ref, dtype=dtype, drafter=kind, budget=budget,
+                    streams=len(PROMPTS),
                     identical=sum(d is None and len(g) == len(r)
                                   for d, g, r in zip(diffs, got, ref, strict=True)),
                     first_diff_positions=[d for d in diffs if d is not None],
