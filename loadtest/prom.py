@@ -1,7 +1,9 @@
 """Server-side counters from the Prometheus text on `/metrics`, read before and after a run.
 
-The speculative-decoding figure is the mean accepted (committed) tokens per step over the run:
-delta `ddserve_committed_tokens_total` / delta `ddserve_steps_total`.
+The speculative-decoding figure is the mean accepted (committed) tokens per stream per step over
+the run: delta `ddserve_committed_tokens_total` / delta `ddserve_stream_steps_total` (one stream
+taking part in one batched step counts once). Servers without the per-stream counter fall back to
+delta `ddserve_steps_total`.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import httpx
 
 STEPS = "ddserve_steps_total"
+STREAM_STEPS = "ddserve_stream_steps_total"
 COMMITTED = "ddserve_committed_tokens_total"
 COUNTERS = {
     "steps": STEPS,
+    "stream_steps": STREAM_STEPS,
     "committed_tokens": COMMITTED,
     "generation_tokens": "ddserve_generation_tokens_total",
     "prompt_tokens": "ddserve_prompt_tokens_total",
@@ -59,7 +63,8 @@ def server_delta(before: dict[str, float] | None, after: dict[str, float] | None
     delta = {
         key: after[name] - before.get(name, 0.0) for key, name in COUNTERS.items() if name in after
     }
-    steps, committed = delta.get("steps"), delta.get("committed_tokens")
+    steps = delta.get("stream_steps", delta.get("steps"))
+    committed = delta.get("committed_tokens")
     delta["accepted_tokens_per_step"] = (
         committed / steps if steps and committed is not None else None
     )

@@ -130,9 +130,13 @@ class FakeOpenAIServer:
 
     def metrics_text(self) -> str:
         return (
-            "# HELP ddserve_steps_total Decode steps (per stream).\n"
-            "# TYPE ddserve_steps_total counter\n"
-            f"ddserve_steps_total {self.steps}\n"
+            "# HELP ddserve_stream_steps_total Decode steps, counted per stream.\n"
+            "# TYPE ddserve_stream_steps_total counter\n"
+            f"ddserve_stream_steps_total {self.steps}\n"
+            # batched steps: one per stream step here, so that a client that divides by this
+            # instead of the per-stream counter is caught (the figure would come out the same
+            # only if every step had one stream)
+            f"ddserve_steps_total {max(self.steps // 2, 1) if self.steps else 0}\n"
             "# TYPE ddserve_committed_tokens_total counter\n"
             f"ddserve_committed_tokens_total {self.committed}\n"
             f"ddserve_generation_tokens_total {self.committed}\n"

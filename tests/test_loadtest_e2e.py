@@ -76,7 +76,7 @@ def _check_against_server_log(run: dict, fake: FakeOpenAIServer) -> None:
         assert r["prompt_tokens"] == log[r["id"]]["prompt_tokens"]
     steps = sum(log[r["id"]]["steps"] for r in reqs)
     committed = sum(log[r["id"]]["completion_tokens"] for r in reqs)
-    assert run["server"]["steps"] == steps and run["server"]["committed_tokens"] == committed
+    assert run["server"]["stream_steps"] == steps and run["server"]["committed_tokens"] == committed
     assert run["server"]["accepted_tokens_per_step"] == pytest.approx(committed / steps)
 
 

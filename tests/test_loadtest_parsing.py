@@ -76,6 +76,15 @@ def test_accepted_tokens_per_step_is_a_ratio_of_deltas():
     assert server_delta(after, after)["accepted_tokens_per_step"] is None  # no step ran
 
 
+def test_accepted_tokens_per_step_counts_stream_steps_when_the_server_has_them():
+    """A batched step of 4 streams committing 8 tokens is 2 tokens per stream step, not 8."""
+    before = {"ddserve_steps_total": 0.0, "ddserve_stream_steps_total": 0.0,
+              "ddserve_committed_tokens_total": 0.0}  # fmt: skip
+    after = {"ddserve_steps_total": 1.0, "ddserve_stream_steps_total": 4.0,
+             "ddserve_committed_tokens_total": 8.0}  # fmt: skip
+    assert server_delta(before, after)["accepted_tokens_per_step"] == pytest.approx(2.0)
+
+
 def test_random_prompts_respect_range_ratio_and_seed():
     ps = datasets.random_prompts(200, input_len=40, output_len=10, range_ratio=0.5, seed=3)
     assert all(20 <= p.prompt_len <= 60 and 5 <= p.output_len <= 15 for p in ps)
