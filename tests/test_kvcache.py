@@ -64,3 +64,26 @@ def test_latent_pool_shape() -> None:
     c = LatentCache(3, 17, 576, dtype=torch.bfloat16)
     assert c.pool.shape == (3, 17, 576) and c.pool.dtype == torch.bfloat16
     assert c.num_slots == 17 and c.nbytes() == 3 * 17 * 576 * 2
+
+
+def test_a_step_that_raises_returns_its_new_slots(tiny_model_dir, monkeypatch):
+    """A forward that fails (e.g. out of device memory) must not leak the step's fresh slots."""
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.drafter import RandomDrafter
+    from ddserve.engine.runner import ModelRunner
+    from ddserve.sampling import SamplingParams
+
+    runner = ModelRunner(tiny_model_dir, engine_cfg=EngineConfig(num_slots=512, budget=8),
+                         drafter=RandomDrafter(264, depth=4, seed=0), device="cpu")  # fmt: skip
+    runner.add_stream(0, [5, 6, 7, 8], SamplingParams(max_tokens=8))
+    runner.prefill()
+    before = runner.free_slots
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(runner, "_forward", boom)
+    for step in (runner.ar_step, runner.ddtree_step):
+        with pytest.raises(RuntimeError, match="simulated"):
+            step([0])
+        assert runner.free_slots == before

@@ -100,7 +100,9 @@ class ShardWorker:
             comm = NcclComm(self.rank, s.world_size, comm_id)
         else:
             comm = GlooComm(self.rank, s.world_size, comm_id)
-        cfg = EngineConfig(s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed)
+        cfg = EngineConfig(
+            s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed, max_streams=s.max_streams
+        )
         drafter = Path(s.drafter_path) if s.drafter_path else None
         self.runner = ModelRunner(s.model_path, comm, cfg, drafter, s.device)
         mc = self.runner.model_cfg

@@ -101,7 +101,7 @@ class DFlashDrafter(Drafter):
     ):
         cfg = model.cfg
         self.cfg, self.model, self.target = cfg, model.eval(), target
-        self.depth = cfg.depth
+        self.depth, self.max_streams = cfg.depth, max_streams
         self.capture_layers = tuple(sorted(set(cfg.target_layer_ids)))
         order = [self.capture_layers.index(i) for i in cfg.target_layer_ids]
         self._order = None if order == list(range(len(order))) else order

@@ -20,12 +20,13 @@ class EngineConfig:
     prefill_chunk: int = 512
     dtype: str = "bfloat16"
     seed: int = 0
+    max_streams: int = 16  # concurrent streams: sizes per-stream device state (drafter context)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.budget < 1 or self.prefill_chunk < 1 or self.num_slots < 1:
-            raise ValueError("budget, prefill_chunk and num_slots must be >= 1")
+        if min(self.budget, self.prefill_chunk, self.num_slots, self.max_streams) < 1:
+            raise ValueError("budget, prefill_chunk, num_slots and max_streams must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -17,6 +17,7 @@ from torch import Tensor
 class Drafter(ABC):
     depth: int  # D: draft depths per step (block size - 1)
     capture_layers: tuple[int, ...]  # target layers whose outputs it consumes (() for tests)
+    max_streams: int | None = None  # streams its per-stream device state can hold (None: any)
 
     @abstractmethod
     def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None: ...

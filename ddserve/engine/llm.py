@@ -62,7 +62,7 @@ class LLM:
             model_path = default_model_dir()
         self.model_path = Path(model_path)
         seed = random.randrange(2**31) if seed is None else seed
-        cfg = EngineConfig(num_slots, budget, prefill_chunk, dtype, seed)
+        cfg = EngineConfig(num_slots, budget, prefill_chunk, dtype, seed, max_streams=max_streams)
         kwargs = dict(model_path=self.model_path, engine_cfg=cfg, drafter=drafter, device=device)
         self.max_streams, self.tp, self._next_sid = max_streams, tp, 0
         self._group = None

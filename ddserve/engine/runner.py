@@ -8,7 +8,8 @@ rank reaches the same state without talking. One device-to-host copy per step fe
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -94,7 +95,7 @@ class ModelRunner:
         from ddserve.drafter import load_drafter
 
         return load_drafter(
-            drafter, self.model_cfg, self.model, max_streams=64,
+            drafter, self.model_cfg, self.model, max_streams=self.cfg.max_streams,
             max_context=self.cfg.num_slots, dtype=self.cfg.torch_dtype, device=self.device,
         )  # fmt: skip
 
@@ -113,6 +114,9 @@ class ModelRunner:
             raise ValueError(f"stream {sid!r} already exists")
         if not prompt_ids:
             raise ValueError("empty prompt")
+        cap = self.drafter.max_streams if self.drafter is not None else None
+        if cap is not None and len(self.streams) >= cap:
+            raise OutOfSlots(f"the drafter already holds its max_streams={cap} streams")
         need = len(prompt_ids) + params.max_tokens + self.cfg.budget + 1
         if self._reserved + need > self.cfg.num_slots:
             free = self.cfg.num_slots - self._reserved
@@ -192,16 +196,17 @@ class ModelRunner:
             budget -= n
             if budget == 0:
                 break
-        new = [self.allocator.alloc(n) for _, _, n in plan]
-        ids = torch.tensor(
-            [t for st, d, n in plan for t in st.prompt[d : d + n]], device=self.device
-        )
-        pos = torch.tensor([p for _, d, n in plan for p in range(d, d + n)], device=self.device)
         q_lens = [n for _, _, n in plan]
-        meta = block_meta(
-            q_lens, [st.slots for st, _, _ in plan], new, causal_masks(q_lens), self.device
-        )
-        out = self._forward(ids, pos, meta, absorbed=False)
+        new = self._alloc_scratch(q_lens)
+        with self._free_on_error(new):
+            ids = torch.tensor(
+                [t for st, d, n in plan for t in st.prompt[d : d + n]], device=self.device
+            )
+            pos = torch.tensor([p for _, d, n in plan for p in range(d, d + n)], device=self.device)
+            meta = block_meta(
+                q_lens, [st.slots for st, _, _ in plan], new, causal_masks(q_lens), self.device
+            )
+            out = self._forward(ids, pos, meta, absorbed=False)
         ends = torch.tensor(q_lens).cumsum(0) - 1
         complete = [i for i, (st, d, n) in enumerate(plan) if d + n == len(st.prompt)]
         for (st, _, _), slots in zip(plan, new, strict=True):
@@ -228,18 +233,34 @@ class ModelRunner:
             for (st, _, _), h in zip(plan, hidden.split(q_lens), strict=True):
                 st.prompt_hidden.append(h)
 
+    def _alloc_scratch(self, sizes: list[int]) -> list[list[int]]:
+        """Slots for this forward's new tokens (within each stream's reservation)."""
+        return [self.allocator.alloc(n) for n in sizes]
+
+    @contextmanager
+    def _free_on_error(self, blocks: list[list[int]]) -> Iterator[None]:
+        """If the forward (or sampling) raises, the step's new slots go back to the pool, so a
+        failed step leaves the pool as it found it (streams keep their committed slots)."""
+        try:
+            yield
+        except BaseException:
+            for b in blocks:
+                self.allocator.free(b)
+            raise
+
     # ---- decode ----------------------------------------------------------------------------
     @torch.no_grad()
     def ar_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
         """One target token per stream (q_len 1), through the same model and sampler."""
         sts = self._active(sids)
-        new = [self.allocator.alloc(1) for _ in sts]
-        ids = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
-        pos = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
-        ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
-        meta = block_meta([1] * len(sts), [st.slots for st in sts], new, ones, self.device)
-        out = self._forward(ids, pos, meta)
-        toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
+        new = self._alloc_scratch([1] * len(sts))
+        with self._free_on_error(new):
+            ids = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
+            pos = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
+            ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
+            meta = block_meta([1] * len(sts), [st.slots for st in sts], new, ones, self.device)
+            out = self._forward(ids, pos, meta)
+            toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
         outs = {}
         for i, (st, slot, tok) in enumerate(zip(sts, new, toks, strict=True)):
             if self.drafter is not None:
@@ -268,16 +289,17 @@ class ModelRunner:
         sts = self._active(sids)
         bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
         tree = build_tree(self.drafter.draft(list(sids), bonus), n)
-        blocks = [self.allocator.alloc(n + 1) for _ in sts]
-        prefix_lens = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
-        ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B*(N+1)] each
-        meta = block_meta(
-            [n + 1] * len(sts), [st.slots for st in sts], blocks, tree.visible, self.device
-        )
-        out = self._forward(ids, pos, meta)
-        target = self._sample(sts, out.logits.view(len(sts), n + 1, -1))  # [B, N+1]
-        acc = accept(tree, target)
-        packed = acc.packed().tolist()  # the step's one D2H copy
+        blocks = self._alloc_scratch([n + 1] * len(sts))
+        with self._free_on_error(blocks):
+            prefix_lens = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
+            ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B*(N+1)] each
+            meta = block_meta(
+                [n + 1] * len(sts), [st.slots for st in sts], blocks, tree.visible, self.device
+            )
+            out = self._forward(ids, pos, meta)
+            target = self._sample(sts, out.logits.view(len(sts), n + 1, -1))  # [B, N+1]
+            acc = accept(tree, target)
+            packed = acc.packed().tolist()  # the step's one D2H copy
         hidden = None
         if out.hidden is not None:
             h = out.hidden.view(len(sts), n + 1, -1)  # [B, N+1, C]
@@ -298,3 +320,4 @@ class ModelRunner:
             st.committed.append(k)
             outs[st.sid] = st.emit(toks)
         return self._finish(outs)
+

@@ -13,6 +13,10 @@ from ddserve.sampling import SamplingParams
 from ddserve.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI's chat default is "the rest of the context". Admission reserves a stream's worst case in
+# KV slots, so that default would let one request reserve a long-context pool whole and serialize
+# every other stream behind it; chat requests without a limit get this many tokens at most.
+CHAT_DEFAULT_MAX_TOKENS = 4096
 
 
 class ApiError(Exception):
@@ -133,5 +137,5 @@ def prepare_chat(
     _check_token_ids(
         list(req.stop_token_ids or ()), getattr(tok, "vocab_size", None), "stop_token_ids"
     )
-    params = _params(req, req.requested_max_tokens(), len(ids), ctx, None)
+    params = _params(req, req.requested_max_tokens(), len(ids), ctx, CHAT_DEFAULT_MAX_TOKENS)
     return ids, params, req.stop_strings()
