@@ -128,7 +128,23 @@ class ModelConfig:
             p = Path(path_or_dict)
             p = p / "config.json" if p.is_dir() else p
             raw, where = json.loads(p.read_text()), str(p)
+            gen = p.parent / "generation_config.json"
+            if gen.exists():  # chat models end a turn with generation_config's eos (K2: <|im_end|>)
+                raw = _with_generation_eos(raw, json.loads(gen.read_text()))
         return _from_raw(raw, where)
+
+
+def _with_generation_eos(raw: dict[str, Any], gen: dict[str, Any]) -> dict[str, Any]:
+    """config.json's eos ids plus generation_config.json's (decoding stops on any of them)."""
+    as_list = lambda v: [] if v is None else (list(v) if isinstance(v, list | tuple) else [v])
+    text = raw.get("text_config") if raw.get("model_type") in WRAPPER_MODEL_TYPES else None
+    target = dict(text) if isinstance(text, dict) else raw
+    ids = as_list(target.get("eos_token_id", raw.get("eos_token_id")))
+    ids += [i for i in as_list(gen.get("eos_token_id")) if i not in ids]
+    if not ids:
+        return raw
+    target = {**target, "eos_token_id": ids[0] if len(ids) == 1 else ids}
+    return {**raw, "text_config": target} if text is not None else target
 
 
 def _from_raw(raw: dict[str, Any], where: str) -> ModelConfig:

@@ -22,7 +22,9 @@ class ByteTok:
     vocab_size = VOCAB
     eos_token_id = EOS
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool = False, allow_special: bool | None = None
+    ) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: list[int]) -> str:

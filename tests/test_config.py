@@ -148,3 +148,17 @@ def test_reads_config_json_from_directory(tiny_model_dir):
     cfg = ModelConfig.from_hf(tiny_model_dir)
     assert cfg == ModelConfig.from_hf(tiny_model_dir / "config.json")
     assert cfg.eos_token_id == 257 and cfg.vocab_size == 264 and cfg.quant is None
+
+
+def test_generation_config_eos_ids_join_the_config_ones(tmp_path):
+    """Chat checkpoints (Kimi K2) end a turn with generation_config.json's eos: stop on both."""
+    import json
+
+    from ddserve.model.tiny import write_tiny
+
+    d = write_tiny(tmp_path / "m", seed=0)
+    base = ModelConfig.from_hf(d).eos_token_id
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [base, 259]}))
+    assert ModelConfig.from_hf(d).eos_token_id == (base, 259)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": base}))
+    assert ModelConfig.from_hf(d).eos_token_id == base

@@ -32,11 +32,9 @@ class GenerationOutput:
 
 
 def _load_tokenizer(path: Path):
-    try:
-        from ddserve.tokenizer import Tokenizer
-    except ImportError:
-        return None
-    return Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    from ddserve.tokenizer import Tokenizer, has_tokenizer
+
+    return Tokenizer.from_dir(path) if has_tokenizer(path) else None
 
 
 class LLM:

@@ -45,7 +45,9 @@ from ddserve.serve.textgen import TextStream
 
 
 class TextTokenizer(Protocol):
-    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+    def encode(
+        self, text: str, add_bos: bool = False, allow_special: bool | None = None
+    ) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
 
@@ -55,6 +57,7 @@ class ServedModel:
     name: str
     max_model_len: int
     tokenizer: TextTokenizer
+    vocab_size: int | None = None  # the model's (embedding rows); ids must fit it too
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -116,7 +119,7 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         ids, params, stops = prepare_completion(
-            req, model.name, model.tokenizer, model.max_model_len
+            req, model.name, model.tokenizer, model.max_model_len, model.vocab_size
         )
         rid = new_id("cmpl")
         stream = await _start(rid, ids, params, stops)
@@ -135,7 +138,9 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-        ids, params, stops = prepare_chat(req, model.name, model.tokenizer, model.max_model_len)
+        ids, params, stops = prepare_chat(
+            req, model.name, model.tokenizer, model.max_model_len, model.vocab_size
+        )
         rid = new_id("chatcmpl")
         stream = await _start(rid, ids, params, stops)
         if req.stream:

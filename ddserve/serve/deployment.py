@@ -109,7 +109,7 @@ class OpenAIServer:
         self._router, info = await start_router(cfg, name=f"ddserve-router-{replica}")
         ctx = min(info["max_position_embeddings"], cfg.shard.num_slots - cfg.shard.budget - 1)
         tok = Tokenizer.from_dir(cfg.shard.model_path)
-        self._model = ServedModel(name, ctx, tok)
+        self._model = ServedModel(name, ctx, tok, info["vocab_size"])
         self._engine = RayEngineClient(self._router)
         log.info(
             "ddserve replica %s: %s tp=%d on %s, speculative=%s, control=%s",

@@ -86,13 +86,20 @@ def _params(
     )
 
 
+def _vocab(tok: Any, model_vocab: int | None) -> int | None:
+    """Ids must fit both the tokenizer and the model's embedding (they can differ: Kimi's
+    tokenizer reserves 258 special ids past a 163584-token BPE, its embedding has 163840 rows)."""
+    known = [v for v in (getattr(tok, "vocab_size", None), model_vocab) if v is not None]
+    return min(known) if known else None
+
+
 def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
         raise ApiError(400, f"Token ids in '{param}' must be in [0, {vocab_size}).", param=param)
 
 
 def prepare_completion(
-    req: CompletionRequest, served: str, tok: Any, ctx: int
+    req: CompletionRequest, served: str, tok: Any, ctx: int, model_vocab: int | None = None
 ) -> tuple[list[int], SamplingParams, list[str]]:
     _check_common(req, served)
     for field in ("echo", "suffix"):
@@ -107,20 +114,21 @@ def prepare_completion(
                 400, f"Only one prompt per request is supported, got {len(prompt)}.", param="prompt"
             )
         prompt = prompt[0]
+    vocab = _vocab(tok, model_vocab)
     if isinstance(prompt, str):  # BOS first, when the tokenizer has one
-        ids = tok.encode(prompt, add_bos=getattr(tok, "bos_token_id", None) is not None)
+        # a raw prompt may spell control tokens on purpose (hand-made templates), as in vLLM
+        bos = getattr(tok, "bos_token_id", None) is not None
+        ids = tok.encode(prompt, add_bos=bos, allow_special=True)
     else:
         ids = [int(t) for t in prompt]
-        _check_token_ids(ids, getattr(tok, "vocab_size", None), "prompt")
-    _check_token_ids(
-        list(req.stop_token_ids or ()), getattr(tok, "vocab_size", None), "stop_token_ids"
-    )
+        _check_token_ids(ids, vocab, "prompt")
+    _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")
     params = _params(req, req.max_tokens, len(ids), ctx, COMPLETION_DEFAULT_MAX_TOKENS)
     return ids, params, req.stop_strings()
 
 
 def prepare_chat(
-    req: ChatCompletionRequest, served: str, tok: Any, ctx: int
+    req: ChatCompletionRequest, served: str, tok: Any, ctx: int, model_vocab: int | None = None
 ) -> tuple[list[int], SamplingParams, list[str]]:
     _check_common(req, served)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -133,9 +141,9 @@ def prepare_chat(
             "/v1/completions with a plain prompt.",
             param="messages",
         ) from e
-    ids = tok.encode(text, add_bos=False)
-    _check_token_ids(
-        list(req.stop_token_ids or ()), getattr(tok, "vocab_size", None), "stop_token_ids"
-    )
+    # the template's control tokens must become their ids (message text rendered into the
+    # template is encoded the same way: a message that spells a control token gets it)
+    ids = tok.encode(text, add_bos=False, allow_special=True)
+    _check_token_ids(list(req.stop_token_ids or ()), _vocab(tok, model_vocab), "stop_token_ids")
     params = _params(req, req.requested_max_tokens(), len(ids), ctx, CHAT_DEFAULT_MAX_TOKENS)
     return ids, params, req.stop_strings()
