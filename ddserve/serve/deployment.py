@@ -9,6 +9,7 @@ fails its health check, so Serve replaces it (and with it the router and the sha
 from __future__ import annotations
 
 import logging
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +41,9 @@ class ServeConfig(BaseModel):
     budgets: list[int] | None = None
     num_slots: int = Field(32768, ge=64)
     prefill_chunk: int = Field(512, ge=1)
-    seed: int = 0
+    # base of the per-request seeds of requests that give none; None: drawn at start-up, so
+    # unseeded sampling differs across restarts and replicas (every rank gets the same value)
+    seed: int | None = None
     control: Literal["compiled", "fanout"] = "compiled"
     shard_cpus: float = Field(0.1, gt=0)
 
@@ -62,7 +65,8 @@ class ServeConfig(BaseModel):
         spec = ShardSpec(
             model_path=str(model), world_size=tp, drafter_path=drafter, device=device,
             num_slots=self.num_slots, budget=max([self.budget, *(self.budgets or [])]),
-            prefill_chunk=self.prefill_chunk, dtype=dtype, seed=self.seed,
+            prefill_chunk=self.prefill_chunk, dtype=dtype,
+            seed=self.seed if self.seed is not None else secrets.randbits(31),
             max_streams=self.max_streams,
         )  # fmt: skip
         cfg = RouterConfig(
