@@ -170,3 +170,18 @@ def test_chat_without_a_chat_template_is_a_400() -> None:
     with pytest.raises(ApiError) as e:
         prepare_chat(req, "m", NoTemplate(), 32)
     assert e.value.status == 400 and "chat_template" in e.value.message
+
+
+def test_stop_lists_are_bounded() -> None:
+    """Every streamed token is checked against each stop string: list and items are capped."""
+    from pydantic import ValidationError
+
+    from ddserve.serve.protocol import MAX_STOP_CHARS, MAX_STOPS
+
+    CompletionRequest(prompt="x", stop=["a"] * MAX_STOPS)
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", stop=["a"] * (MAX_STOPS + 1))
+    with pytest.raises(ValidationError, match="characters"):
+        CompletionRequest(prompt="x", stop="a" * (MAX_STOP_CHARS + 1))
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", stop_token_ids=list(range(65)))

@@ -147,9 +147,11 @@ class ModelRunner:
         return outs
 
     # ---- shared pieces ---------------------------------------------------------------------
-    def _forward(self, ids, positions, meta, absorbed: bool = True):
+    def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
-        return self.model(ids, positions, self.kv.pool, meta, self.capture, absorbed=absorbed)
+        return self.model(
+            ids, positions, self.kv.pool, meta, self.capture, absorbed, logit_rows=logit_rows
+        )
 
     def _sample(self, sts: list[Stream], logits: torch.Tensor) -> torch.Tensor:
         """logits [B, M, V] -> the target token at every row [B, M] (step = each stream's step)."""
@@ -206,8 +208,8 @@ class ModelRunner:
             meta = block_meta(
                 q_lens, [st.slots for st, _, _ in plan], new, causal_masks(q_lens), self.device
             )
-            out = self._forward(ids, pos, meta, absorbed=False)
-        ends = torch.tensor(q_lens).cumsum(0) - 1
+            ends = (torch.tensor(q_lens).cumsum(0) - 1).to(self.device)  # [B] last row per block
+            out = self._forward(ids, pos, meta, absorbed=False, logit_rows=ends)  # logits [B, V]
         complete = [i for i, (st, d, n) in enumerate(plan) if d + n == len(st.prompt)]
         for (st, _, _), slots in zip(plan, new, strict=True):
             st.slots.extend(slots)
@@ -215,7 +217,7 @@ class ModelRunner:
         if not complete:
             return {}
         sts = [plan[i][0] for i in complete]
-        rows = ends[complete].to(self.device)
+        rows = torch.tensor(complete, device=self.device)
         first = self._sample(sts, out.logits[rows][:, None, :])[:, 0].tolist()  # one D2H copy
         outs = {}
         for st, tok in zip(sts, first, strict=True):

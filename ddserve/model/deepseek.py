@@ -95,11 +95,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         meta: TreeAttnMeta,
         capture_layers: tuple[int, ...] = (),
         absorbed: bool = True,
+        logit_rows: torch.Tensor | None = None,  # [N] rows that need logits (None: all T)
     ) -> ModelOutput:
         """Write the T tokens' latents at meta.block_slots in every layer, attend, return logits.
 
         `hidden` concatenates the outputs (residual stream) of decoder layers `capture_layers`
-        (0-based), in the order given.
+        (0-based), in the order given. With `logit_rows` only those rows go through the final
+        norm and lm_head (prefill needs one row per prompt, not a [T, vocab] all-gather).
         """
         x = self.embed(input_ids)  # [T, D]
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, P] each
@@ -111,4 +113,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         hidden = None
         if capture_layers:
             hidden = torch.cat([captured[i] for i in capture_layers], dim=-1)  # [T, n * D]
+        if logit_rows is not None:
+            x = x[logit_rows]  # [N, D]
         return ModelOutput(logits=self.lm_head(self.model.norm(x)), hidden=hidden)

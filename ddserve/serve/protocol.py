@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Request(BaseModel):
@@ -20,6 +20,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
 
 
 class _SamplingFields(_Request):
@@ -32,14 +35,23 @@ class _SamplingFields(_Request):
     # extension (vLLM/SGLang): 0 disables. Bounded so the engine's int64 tensors hold it.
     top_k: int = Field(0, ge=0, le=2**31 - 1)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    # OpenAI allows 4 stop strings; a few more are harmless, an unbounded list is a cost per token
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_IDS)] | None = None  # extension
     ignore_eos: bool = False  # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: Any = None
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
+        return v
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
