@@ -42,7 +42,9 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device) -> None:
         super().__init__()
         e = cfg.n_routed_experts
-        self.weight = empty_param((e, cfg.hidden_size), dtype, device)
+        # kept in float32: routing runs in fp32 (as the reference does), so store it once rather
+        # than casting [E, D] on every forward
+        self.weight = empty_param((e, cfg.hidden_size), torch.float32, device)
         self.e_score_correction_bias = empty_param((e,), torch.float32, device)
         self.top_k = cfg.num_experts_per_tok
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
@@ -50,7 +52,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias.unsqueeze(0)  # [T, E]
         if self.topk_group < self.n_group:
             grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
