@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -44,7 +45,11 @@ def main(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name="ddserve", route_prefix="/", blocking=False)
+        try:  # returns once the replica is up; raises after Serve's constructor retries fail
+            serve.run(build_app(config), name="ddserve", route_prefix="/", blocking=False)
+        except RuntimeError as e:
+            print(f"ddserve: the application failed to start:\n{e}", file=sys.stderr, flush=True)
+            return 1
         gcs = ray.get_runtime_context().gcs_address
         print(
             f"ddserve: serving on http://{args.host}:{args.port}/v1 (Ray at {gcs}); Ctrl-C to stop",
