@@ -85,3 +85,47 @@ class LatentCache:
 
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
+
+
+class SlotTable:
+    """Device mirror of every stream's ordered slot list, updated by appends only.
+
+    A batch's prefix-slot matrix is then a gather on the device (`prefix`) instead of a host copy
+    of every stream's whole prefix each step, so per-step host work grows with the tokens a step
+    commits, not with context length. Rows are reused; the table grows if more streams than
+    `rows` are live at once.
+    """
+
+    def __init__(self, max_len: int, device: torch.device | str, rows: int = 16) -> None:
+        self.max_len, self.device = max_len, torch.device(device)
+        self.table = torch.zeros(rows, max_len, dtype=torch.long, device=self.device)  # [R, L]
+        self._row: dict = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    def add(self, sid) -> None:
+        if not self._free:
+            grown = self.table.shape[0]
+            self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+            self._free = list(range(2 * grown - 1, grown - 1, -1))
+        self._row[sid] = self._free.pop()
+
+    def remove(self, sid) -> None:
+        row = self._row.pop(sid, None)
+        if row is not None:
+            self._free.append(row)
+
+    def append(self, items: list[tuple[object, int, list[int]]]) -> None:
+        """items: (sid, position of the first new slot, new slots) -> one indexed write."""
+        rows, cols, vals = [], [], []
+        for sid, start, slots in items:
+            rows += [self._row[sid]] * len(slots)
+            cols += range(start, start + len(slots))
+            vals += slots
+        if vals:
+            idx = torch.tensor([rows, cols], dtype=torch.long).to(self.device)  # [2, N]
+            self.table[idx[0], idx[1]] = torch.tensor(vals, dtype=torch.long).to(self.device)
+
+    def prefix(self, sids: list, lens: list[int]) -> torch.Tensor:
+        """[B, max(max(lens), 1)] slot ids of each stream's first lens[b] tokens (rest: padding)."""
+        rows = torch.tensor([self._row[s] for s in sids], dtype=torch.long).to(self.device)
+        return self.table[rows, : max(1, max(lens, default=0))]

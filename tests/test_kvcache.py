@@ -87,3 +87,33 @@ def test_a_step_that_raises_returns_its_new_slots(tiny_model_dir, monkeypatch):
         with pytest.raises(RuntimeError, match="simulated"):
             step([0])
         assert runner.free_slots == before
+
+
+def test_slot_table_mirrors_appends_and_reuses_rows():
+    """The device table gives each stream exactly its appended slots, in order, across growth."""
+    from ddserve.kvcache import SlotTable
+
+    rng = random.Random(0)
+    table, lists = SlotTable(max_len=64, device="cpu", rows=2), {}
+    for step in range(200):
+        if rng.random() < 0.2 or not lists:
+            sid = step
+            table.add(sid)
+            lists[sid] = []
+        elif rng.random() < 0.1:
+            sid = rng.choice(list(lists))
+            table.remove(sid)
+            del lists[sid]
+            continue
+        items = []
+        for sid, slots in lists.items():
+            k = rng.randint(0, min(3, 64 - len(slots)))
+            new = [rng.randrange(10_000) for _ in range(k)]
+            items.append((sid, len(slots), new))
+            slots.extend(new)
+        table.append(items)
+        sids = list(lists)
+        lens = [len(lists[s]) for s in sids]
+        got = table.prefix(sids, lens)
+        for i, s in enumerate(sids):
+            assert got[i, : lens[i]].tolist() == lists[s]

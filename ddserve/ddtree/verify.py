@@ -39,15 +39,17 @@ def pad_slot_lists(slot_lists: list[list[int]], device: torch.device | str) -> t
 
 def block_meta(
     q_lens: list[int],
-    prefix_slots: list[list[int]],
+    prefix_slots: list[list[int]] | torch.Tensor,
     block_slots: list[list[int]],
     block_mask: torch.Tensor,
     device: torch.device | str,
+    prefix_lens: list[int] | None = None,
 ) -> TreeAttnMeta:
     """TreeAttnMeta for B blocks laid end to end.
 
     q_lens[b] new tokens of block b, written at block_slots[b] (length q_lens[b]); the block sees
     all of prefix_slots[b] plus the block tokens allowed by block_mask [B, Q_max, Q_max].
+    `prefix_slots` is host lists, or a padded [B, P] device tensor with `prefix_lens` given.
     """
     if not all(len(s) == q for s, q in zip(block_slots, q_lens, strict=True)):
         raise ValueError("each block needs exactly q_len slots")
@@ -55,11 +57,16 @@ def block_meta(
     for q in q_lens[:-1]:
         starts.append(starts[-1] + q)
     flat = [s for slots in block_slots for s in slots]
+    is_lists = not isinstance(prefix_slots, torch.Tensor)
+    if is_lists:
+        prefix_lens = [len(s) for s in prefix_slots]
+    elif prefix_lens is None:
+        raise ValueError("a prefix-slot tensor needs prefix_lens")
     return TreeAttnMeta(
         q_starts=torch.tensor(starts, dtype=torch.long, device=device),
         q_lens=torch.tensor(q_lens, dtype=torch.long, device=device),
-        prefix_slots=pad_slot_lists(prefix_slots, device),
-        prefix_lens=torch.tensor([len(s) for s in prefix_slots], dtype=torch.long, device=device),
+        prefix_slots=pad_slot_lists(prefix_slots, device) if is_lists else prefix_slots,
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.long, device=device),
         block_slots=torch.tensor(flat, dtype=torch.long, device=device),
         block_mask=block_mask.to(device),
     )

@@ -21,7 +21,7 @@ from ddserve.engine.comm import Communicator, LocalComm
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import Drafter
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
-from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator
+from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class ModelRunner:
             self.device,
         )
         self.allocator = SlotAllocator(self.cfg.num_slots)
+        self.slot_table = SlotTable(self.cfg.num_slots, self.device, rows=self.cfg.max_streams)
         self.drafter = self._make_drafter(drafter)
         self.streams: dict[Hashable, Stream] = {}
         self._reserved = 0
@@ -128,6 +129,7 @@ class ModelRunner:
         self.streams[sid] = Stream(
             sid, list(prompt_ids), params, seed & (2**62 - 1), need, stop_ids(params, eos)
         )
+        self.slot_table.add(sid)
 
     def cancel(self, sid: Hashable) -> bool:
         """Drop a stream in any state and free all its slots. False if unknown."""
@@ -135,6 +137,7 @@ class ModelRunner:
         if st is None:
             return False
         self.allocator.free(st.slots)
+        self.slot_table.remove(sid)
         self._reserved -= st.reserved
         if self.drafter is not None and st.prefilled:
             self.drafter.remove_stream(sid)
@@ -147,6 +150,20 @@ class ModelRunner:
         return outs
 
     # ---- shared pieces ---------------------------------------------------------------------
+    def _meta(self, sts: list[Stream], q_lens: list[int], new: list[list[int]], mask):
+        """Attention metadata; each stream's prefix slots come from the device slot table."""
+        lens = [len(st.slots) for st in sts]
+        prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
+        return block_meta(q_lens, prefix, new, mask, self.device, prefix_lens=lens)
+
+    def _keep_slots(self, kept: list[tuple[Stream, list[int]]]) -> None:
+        """Append committed slots to the streams' lists and, in one write, to the device table."""
+        items = []
+        for st, slots in kept:
+            items.append((st.sid, len(st.slots), slots))
+            st.slots.extend(slots)
+        self.slot_table.append(items)
+
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
         return self.model(
@@ -205,14 +222,11 @@ class ModelRunner:
                 [t for st, d, n in plan for t in st.prompt[d : d + n]], device=self.device
             )
             pos = torch.tensor([p for _, d, n in plan for p in range(d, d + n)], device=self.device)
-            meta = block_meta(
-                q_lens, [st.slots for st, _, _ in plan], new, causal_masks(q_lens), self.device
-            )
+            meta = self._meta([st for st, _, _ in plan], q_lens, new, causal_masks(q_lens))
             ends = (torch.tensor(q_lens).cumsum(0) - 1).to(self.device)  # [B] last row per block
             out = self._forward(ids, pos, meta, absorbed=False, logit_rows=ends)  # logits [B, V]
         complete = [i for i, (st, d, n) in enumerate(plan) if d + n == len(st.prompt)]
-        for (st, _, _), slots in zip(plan, new, strict=True):
-            st.slots.extend(slots)
+        self._keep_slots([(st, slots) for (st, _, _), slots in zip(plan, new, strict=True)])
         self._prefill_hidden(plan, out.hidden, q_lens)
         if not complete:
             return {}
@@ -260,18 +274,18 @@ class ModelRunner:
             ids = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
             pos = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
             ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
-            meta = block_meta([1] * len(sts), [st.slots for st in sts], new, ones, self.device)
+            meta = self._meta(sts, [1] * len(sts), new, ones)
             out = self._forward(ids, pos, meta)
             toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
         outs = {}
-        for i, (st, slot, tok) in enumerate(zip(sts, new, toks, strict=True)):
+        for i, (st, tok) in enumerate(zip(sts, toks, strict=True)):
             if self.drafter is not None:
                 h = out.hidden[i : i + 1] if out.hidden is not None else None
                 self.drafter.commit(st.sid, [st.output[-1]], h)
-            st.slots.extend(slot)
             st.steps += 1
             st.committed.append(1)
             outs[st.sid] = st.emit([tok])
+        self._keep_slots(list(zip(sts, new, strict=True)))
         return self._finish(outs)
 
     @torch.no_grad()
@@ -295,9 +309,7 @@ class ModelRunner:
         with self._free_on_error(blocks):
             prefix_lens = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
             ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B*(N+1)] each
-            meta = block_meta(
-                [n + 1] * len(sts), [st.slots for st in sts], blocks, tree.visible, self.device
-            )
+            meta = self._meta(sts, [n + 1] * len(sts), blocks, tree.visible)
             out = self._forward(ids, pos, meta)
             target = self._sample(sts, out.logits.view(len(sts), n + 1, -1))  # [B, N+1]
             acc = accept(tree, target)
@@ -307,19 +319,20 @@ class ModelRunner:
             h = out.hidden.view(len(sts), n + 1, -1)  # [B, N+1, C]
             hidden = h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1]))  # [B, D+1, C]
         width = acc.path.shape[1]
-        outs = {}
+        outs, kept_slots = {}, []
         for i, (st, block) in enumerate(zip(sts, blocks, strict=True)):
             k = packed[i][0]
             path, toks = packed[i][1 : 1 + k], packed[i][1 + width : 1 + width + k]
             keep = [block[r] for r in path]
             kept = set(path)
             self.allocator.free([s for r, s in enumerate(block) if r not in kept])
-            st.slots.extend(keep)
+            kept_slots.append((st, keep))
             self.drafter.commit(
                 st.sid, [st.output[-1]] + toks[:-1], hidden[i, :k] if hidden is not None else None
             )
             st.steps += 1
             st.committed.append(k)
             outs[st.sid] = st.emit(toks)
+        self._keep_slots(kept_slots)
         return self._finish(outs)
 
