@@ -1,0 +1,84 @@
+"""The whole engine on a GPU: DDTree greedy == AR greedy in float32 (the exact mode), and the CuPy
+NCCL communicator on two GPUs. Skipped without CUDA (and the NCCL test without 2 GPUs + CuPy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddserve.engine.config import EngineConfig
+from ddserve.engine.drafter import OracleDrafter
+from ddserve.engine.runner import ModelRunner
+from ddserve.model.tiny import make_tiny
+from ddserve.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200]]
+
+
+def _decode(runner: ModelRunner, speculative: bool, budget: int | None = None):
+    out = {i: [] for i in range(len(PROMPTS))}
+    for i, p in enumerate(PROMPTS):
+        runner.add_stream(i, p, SamplingParams(max_tokens=24))
+    for sid, so in runner.prefill().items():
+        out[sid] += so.tokens
+    while runner.streams:
+        sids = list(runner.streams)
+        res = runner.ddtree_step(sids, budget) if speculative else runner.ar_step(sids)
+        for sid, so in res.items():
+            out[sid] += so.tokens
+    return [out[i] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "m", int4=True, seed=0)
+
+
+@pytest.mark.parametrize("budget", [4, 32])
+def test_ddtree_equals_ar_in_float32_on_the_gpu(model_dir, budget: int) -> None:
+    cfg = EngineConfig(num_slots=4096, budget=32, dtype="float32")
+    ref = _decode(ModelRunner(model_dir, engine_cfg=cfg, device="cuda"), False)
+    table = {tuple(p): r for p, r in zip(PROMPTS, ref, strict=True)}
+    for drafter in (model_dir / "drafter", OracleDrafter(table, 264, depth=7, corrupt=0.3, seed=1)):
+        runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=drafter, device="cuda")
+        start = runner.free_slots
+        assert _decode(runner, True, budget) == ref
+        assert runner.free_slots == start
+
+
+def _nccl_rank(rank: int, uid: bytes, q) -> None:
+    torch.cuda.set_device(rank)
+    from ddserve.engine.comm import NcclComm
+
+    comm = NcclComm(rank, 2, uid)
+    x = torch.full((1000,), float(rank + 1), device="cuda", dtype=torch.bfloat16)
+    comm.all_reduce(x)
+    g = comm.all_gather(torch.full((3,), float(rank), device="cuda"), dim=0)
+    b = comm.broadcast(torch.full((2,), float(rank + 7), device="cuda"), src=1)
+    torch.cuda.synchronize()
+    q.put((rank, x[0].item(), g.tolist(), b.tolist()))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_comm_collectives_on_two_gpus() -> None:
+    pytest.importorskip("cupy")
+    import torch.multiprocessing as mp
+
+    from ddserve.engine.comm import NcclComm
+
+    ctx = mp.get_context("spawn")
+    q, uid = ctx.Queue(), NcclComm.make_unique_id()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, uid, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for _rank, reduced, gathered, bcast in got:
+        assert reduced == 3.0
+        assert gathered == [0.0] * 3 + [1.0] * 3
+        assert bcast == [8.0, 8.0]
