@@ -52,11 +52,34 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=None, help="TP ranks (default: 2 on CPU, all GPUs)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-streams", type=int, default=10, help="concurrent streams per replica")
-    p.add_argument("--budget", type=int, default=16, help="DDTree node budget per step")
+    p.add_argument("--max-streams", type=int, default=None, help="concurrent streams (default 10)")
+    p.add_argument("--budget", type=int, default=None, help="DDTree nodes per stream per step (16)")
+    p.add_argument("--buckets", type=_ints, default=None,
+                   help="batch sizes streams are padded to, e.g. 1,2,4,8,12,16")  # fmt: skip
+    p.add_argument("--budgets", type=_ints, default=None,
+                   help="one tree budget per bucket (default: --budget for all)")  # fmt: skip
+    p.add_argument("--num-slots", type=int, default=None,
+                   help="KV cache size in tokens, per replica (default 32768)")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="waiting requests before 429 (default 64)")  # fmt: skip
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
+                   help="compute dtype (auto: bf16 on GPU, float32 on CPU)")  # fmt: skip
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use (default: the checkpoint directory's name)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="base seed of unseeded requests (default: drawn at start-up)")  # fmt: skip
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     p.set_defaults(run="ddserve.serve.main:main")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,6 +54,13 @@ def test_serve_cli_flags_become_valid_deployment_args() -> None:
     cfg = ServeConfig.model_validate(config_from_args(args))
     assert (cfg.tp, cfg.max_streams, cfg.budget, cfg.speculative) == (4, 6, 8, False)
     assert config_from_args(build_parser().parse_args(["serve"])).get("model") is None
+    more = ["serve", "--buckets", "1,2,4", "--budgets", "16,8,4", "--num-slots", "4096",
+            "--dtype", "float32", "--served-model-name", "k2", "--max-queue", "5"]  # fmt: skip
+    cfg = ServeConfig.model_validate(config_from_args(build_parser().parse_args(more)))
+    assert (cfg.buckets, cfg.budgets, cfg.num_slots) == ([1, 2, 4], [16, 8, 4], 4096)
+    assert (cfg.dtype, cfg.served_model_name, cfg.max_queue) == ("float32", "k2", 5)
+    with pytest.raises(SystemExit):  # argparse explains and exits 2
+        build_parser().parse_args(["serve", "--buckets", "1,two"])
 
 
 def test_batches_pad_to_the_smallest_bucket_with_its_budget() -> None:

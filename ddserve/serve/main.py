@@ -14,14 +14,10 @@ log = logging.getLogger("ddserve.serve")
 
 def config_from_args(args) -> dict:
     """The `ddserve serve` flags as ServeConfig arguments (unset flags keep the defaults)."""
-    cfg = {
-        "model": args.model,
-        "drafter": args.drafter,
-        "tp": args.tp,
-        "max_streams": args.max_streams,
-        "budget": args.budget,
-        "speculative": not args.no_speculative,
-    }
+    names = ("model", "drafter", "tp", "max_streams", "budget", "buckets", "budgets",
+             "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed")  # fmt: skip
+    cfg = {n: getattr(args, n, None) for n in names}
+    cfg["speculative"] = not args.no_speculative
     return {k: v for k, v in cfg.items() if v is not None}
 
 
