@@ -57,8 +57,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--drafters", default="dflash,oracle-corrupt-0.3")
-    ap.add_argument("--ref", default="", help="comma list of kernels to force to the torch "
-                    "reference: attn, moe (to tell a kernel's effect from the engine's)")
+    ap.add_argument(
+        "--ref",
+        default="",
+        help="comma list of kernels to force to the torch "
+        "reference: attn, moe (to tell a kernel's effect from the engine's)",
+    )
     args = ap.parse_args()
     from ddserve.kernels import backend
     from ddserve.kernels.moe_ref import moe_ref

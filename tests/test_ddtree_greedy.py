@@ -133,7 +133,6 @@ def test_chunked_prefill_matches_one_shot(model) -> None:
     assert runner.target_forwards - before >= 62 // 7  # prefill really ran in chunks
 
 
-
 def test_per_bucket_budget_below_the_engine_budget(model) -> None:
     """A bucket's smaller budget changes the tree size only, never the greedy output.
 

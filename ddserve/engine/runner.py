@@ -335,4 +335,3 @@ class ModelRunner:
             outs[st.sid] = st.emit(toks)
         self._keep_slots(kept_slots)
         return self._finish(outs)
-
