@@ -56,8 +56,9 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=int, default=None, help="DDTree nodes per stream per step (16)")
     p.add_argument("--buckets", type=_ints, default=None,
                    help="batch sizes streams are padded to, e.g. 1,2,4,8,12,16")  # fmt: skip
-    p.add_argument("--budgets", type=_ints, default=None,
-                   help="one tree budget per bucket (default: --budget for all)")  # fmt: skip
+    p.add_argument("--budgets", type=_ints_or_auto, default=None,
+                   help="one tree budget per bucket, or 'auto' to choose each bucket's budget "
+                   "online by measured tokens/s (default: --budget for all)")  # fmt: skip
     p.add_argument("--num-slots", type=int, default=None,
                    help="KV cache size in tokens, per replica (default 32768)")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=None,
@@ -80,6 +81,10 @@ def _ints(text: str) -> list[int]:
     except ValueError:
         msg = f"expected comma-separated integers, got {text!r}"
         raise argparse.ArgumentTypeError(msg) from None
+
+
+def _ints_or_auto(text: str) -> list[int] | str:
+    return "auto" if text.strip() == "auto" else _ints(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,3 +72,14 @@ def test_batches_pad_to_the_smallest_bucket_with_its_budget() -> None:
         RouterConfig(ShardSpec("m"), buckets=(1, 2), max_streams=3)
     with pytest.raises(ValueError, match="budget"):
         RouterConfig(ShardSpec("m", budget=4), budgets=(8,) * 6)
+
+
+def test_online_budgets_are_configured_and_bounded() -> None:
+    args = build_parser().parse_args(["serve", "--budgets", "auto", "--budget", "32"])
+    assert ServeConfig.model_validate(config_from_args(args)).budgets == "auto"
+    spec = ShardSpec("m", budget=16)
+    RouterConfig(spec, budget_candidates=(4, 8, 16))
+    with pytest.raises(ValueError, match="candidates"):
+        RouterConfig(spec, budget_candidates=(4, 32))  # above the engine's KV reservation
+    with pytest.raises(ValueError, match="not both"):
+        RouterConfig(spec, max_streams=2, buckets=(1, 2), budgets=(8, 4), budget_candidates=(4, 8))

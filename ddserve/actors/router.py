@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from ddserve.actors.budget import BudgetTuner
 from ddserve.actors.client import EngineDead, QueueFull, RequestRejected, TokenDelta
 from ddserve.actors.shard import Command, CommandResult, ShardSpec
 from ddserve.actors.stats import EngineStats
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RouterConfig:
     """budgets: the tree budget of each bucket (None: `shard.budget` for all). A batch of n
-    streams is padded to the smallest bucket >= n."""
+    streams is padded to the smallest bucket >= n. budget_candidates: choose each bucket's
+    budget online among these, by measured committed tokens per second (`BudgetTuner`)."""
 
     shard: ShardSpec
     speculative: bool = True
@@ -38,6 +40,7 @@ class RouterConfig:
     max_queue: int = 64
     buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
     budgets: tuple[int, ...] | None = None
+    budget_candidates: tuple[int, ...] | None = None
     control: str = "compiled"  # or "fanout"; see shard_group.py
     shard_cpus: float = 0.1
     step_timeout_s: float = 300.0
@@ -56,6 +59,11 @@ class RouterConfig:
             raise ValueError("budgets needs one entry per bucket")
         if self.budgets is not None and max(self.budgets) > self.shard.budget:
             raise ValueError("per-bucket budgets cannot exceed the engine budget (KV reservation)")
+        cands = self.budget_candidates
+        if cands is not None and (self.budgets is not None or not cands):
+            raise ValueError("give fixed per-bucket budgets or budget candidates, not both")
+        if cands is not None and not 1 <= min(cands) <= max(cands) <= self.shard.budget:
+            raise ValueError(f"budget candidates must lie in [1, {self.shard.budget}], got {cands}")
 
     def bucket(self, n: int) -> tuple[int, int]:
         """(padded batch size, tree budget) for n active streams."""
@@ -89,6 +97,8 @@ class Router:
         self._s = _Shared()
         self._engine: dict[str, _Request] = {}  # admitted streams (step thread only)
         self._stats = EngineStats()
+        cands = cfg.budget_candidates
+        self._tuner = BudgetTuner(cands) if cands and cfg.speculative else None
         self._kv_used = 0
         self._error: str | None = None
         self._stopping = False
@@ -190,6 +200,7 @@ class Router:
             "kv_slots_used": self._kv_used,
             "kv_slots_total": self.cfg.shard.num_slots,
             "control": self.cfg.control,
+            "bucket_budgets": self._bucket_budgets(),
             **self._stats.snapshot(),
         }
 
@@ -224,6 +235,8 @@ class Router:
         for r in add:
             self._engine[r.rid] = r
         bucket, budget = self.cfg.bucket(max(len(step), 1))
+        if self._tuner is not None and step:
+            budget = self._tuner.choose(bucket)
         return Command(
             cancel=tuple(cancel),
             add=tuple((r.rid, r.prompt, r.params) for r in add),
@@ -254,6 +267,15 @@ class Router:
         if cmd.step:
             committed = sum(len(res.outputs[r].tokens) for r in cmd.step if r in res.outputs)
             self._stats.record_step(len(cmd.step), committed, wall_s, res.busy_s)
+            if self._tuner is not None and cmd.speculative:
+                per_stream = committed / len(cmd.step)
+                self._tuner.record(cmd.bucket, cmd.budget, per_stream, res.step_s)
+
+    def _bucket_budgets(self) -> dict[int, int]:
+        """bucket -> the tree budget its steps use now (fixed, or the tuner's current choice)."""
+        if self._tuner is not None:
+            return self._tuner.snapshot()
+        return {b: self.cfg.bucket(b)[1] for b in self.cfg.buckets}
 
     def _deliver(self, req: _Request, item: TokenDelta | Exception) -> None:
         self._loop.call_soon_threadsafe(req.out.put_nowait, item)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from ddserve.actors.budget import default_candidates
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
 
@@ -38,7 +39,9 @@ class ServeConfig(BaseModel):
     max_queue: int = Field(64, ge=1)  # every request passes through the queue
     budget: int = Field(16, ge=1)
     buckets: list[int] = [1, 2, 4, 8, 12, 16]
-    budgets: list[int] | None = None
+    # one per bucket, or "auto": each bucket's budget is chosen online among powers of two up to
+    # `budget` by measured committed tokens per second
+    budgets: list[int] | Literal["auto"] | None = None
     num_slots: int = Field(32768, ge=64)
     prefill_chunk: int = Field(512, ge=1)
     # base of the per-request seeds of requests that give none; None: drawn at start-up, so
@@ -46,6 +49,9 @@ class ServeConfig(BaseModel):
     seed: int | None = None
     control: Literal["compiled", "fanout"] = "compiled"
     shard_cpus: float = Field(0.1, gt=0)
+
+    def _fixed_budgets(self) -> list[int]:
+        return [] if self.budgets in (None, "auto") else list(self.budgets)
 
     def resolve(self) -> tuple[RouterConfig, str]:
         """(RouterConfig, served model name), filling defaults from the running Ray cluster."""
@@ -64,7 +70,7 @@ class ServeConfig(BaseModel):
         )
         spec = ShardSpec(
             model_path=str(model), world_size=tp, drafter_path=drafter, device=device,
-            num_slots=self.num_slots, budget=max([self.budget, *(self.budgets or [])]),
+            num_slots=self.num_slots, budget=max([self.budget, *self._fixed_budgets()]),
             prefill_chunk=self.prefill_chunk, dtype=dtype,
             seed=self.seed if self.seed is not None else secrets.randbits(31),
             max_streams=self.max_streams,
@@ -75,7 +81,8 @@ class ServeConfig(BaseModel):
             max_streams=self.max_streams,
             max_queue=self.max_queue,
             buckets=tuple(self.buckets),
-            budgets=tuple(self.budgets) if self.budgets else None,
+            budgets=tuple(self._fixed_budgets()) or None,
+            budget_candidates=default_candidates(self.budget) if self.budgets == "auto" else None,
             control=self.control,
             shard_cpus=self.shard_cpus,
         )

@@ -115,6 +115,15 @@ def families(http: HttpCounters, engine: dict) -> list[Family]:
             1 if engine.get("healthy", True) else 0,
         ),
     ]
+    budgets = engine.get("bucket_budgets") or {}
+    out.append(
+        Family(
+            "ddserve_bucket_budget",
+            "gauge",
+            "DDTree budget each batch bucket uses now (fixed, or the online tuner's choice).",
+            [("ddserve_bucket_budget", {"bucket": str(b)}, float(n)) for b, n in budgets.items()],
+        )
+    )
     for key, help_ in (
         ("step_seconds", "Wall time of one decode step as the router sees it."),
         ("control_seconds", "Per-step router and Ray overhead (step wall time minus shard time)."),

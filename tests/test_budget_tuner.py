@@ -1,0 +1,58 @@
+"""The online per-bucket budget choice converges on the budget with the best measured rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddserve.actors.budget import BudgetTuner, default_candidates
+
+
+def simulate(tuner: BudgetTuner, bucket: int, accept, cost, steps: int) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        b = tuner.choose(bucket)
+        chosen.append(b)
+        tuner.record(bucket, b, accept(b), cost(b))
+    return chosen
+
+
+def test_picks_the_budget_with_the_most_tokens_per_second() -> None:
+    # acceptance saturates, cost grows linearly: tokens/s = (1 + 3(1 - 0.8^b)) / (1 + 0.1 b)
+    accept = lambda b: 1 + 3 * (1 - 0.8**b)
+    cost = lambda b: 1 + 0.1 * b
+    cands = (1, 2, 4, 8, 16, 32)
+    best = max(cands, key=lambda b: accept(b) / cost(b))
+    tuner = BudgetTuner(cands, warmup=2, explore_every=10)
+    chosen = simulate(tuner, 4, accept, cost, 200)
+    assert tuner.best(4) == best == 4
+    assert chosen[-100:].count(best) >= 90  # exploits, exploring one step in ten
+
+
+def test_buckets_are_tuned_independently() -> None:
+    tuner = BudgetTuner((4, 16), warmup=1, explore_every=5)
+    simulate(tuner, 1, lambda b: 1 + b / 4, lambda b: 1.0, 30)  # small batch: big trees pay
+    simulate(tuner, 16, lambda b: 1 + b / 4, lambda b: b / 2, 30)  # big batch: they don't
+    assert tuner.snapshot() == {1: 16, 16: 4}
+
+
+def test_estimates_follow_a_change_in_acceptance() -> None:
+    tuner = BudgetTuner((4, 32), warmup=1, explore_every=4, decay=0.5)
+    simulate(tuner, 2, lambda b: 1 + b / 4, lambda b: 1.0, 40)  # drafter good: 32 wins
+    assert tuner.best(2) == 32
+    simulate(tuner, 2, lambda b: 1.0, lambda b: 1 + b / 8, 80)  # drafter useless: 4 wins
+    assert tuner.best(2) == 4
+
+
+def test_every_candidate_is_tried_before_exploiting() -> None:
+    tuner = BudgetTuner((8, 4, 16), warmup=2)
+    assert simulate(tuner, 1, lambda b: 1.0, lambda b: 1.0, 6) == [4, 4, 8, 8, 16, 16]
+
+
+def test_default_candidates_and_bad_settings() -> None:
+    assert default_candidates(16) == (4, 8, 16)
+    assert default_candidates(24) == (4, 8, 16, 24)
+    assert default_candidates(2) == (2,)
+    with pytest.raises(ValueError):
+        BudgetTuner(())
+    with pytest.raises(ValueError):
+        BudgetTuner((4,), explore_every=1)
