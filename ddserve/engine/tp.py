@@ -1,6 +1,7 @@
 """Tensor parallelism for the offline API on one host: rank 0 in this process, ranks 1..tp-1 in
 spawned worker processes. Each worker holds its own ModelRunner and replays rank 0's calls in
-order; the model's collectives (gloo on CPU) keep the ranks in lockstep."""
+order; the model's collectives keep the ranks in lockstep: gloo on CPU, CuPy NCCL on GPUs (rank r
+on cuda:r, the NCCL id made here and handed to the workers)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import traceback
 from typing import Any
 
 from ddserve.engine.comm import Communicator, GlooComm
+from ddserve.engine.runner import default_device
 from ddserve.kvcache import OutOfSlots
 
 log = logging.getLogger(__name__)
@@ -22,10 +24,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, init: str, runner_kwargs: dict, inbox: Any) -> None:
+def _is_cuda(runner_kwargs: dict) -> bool:
+    return str(runner_kwargs.get("device") or default_device()).startswith("cuda")
+
+
+def _connect(rank: int, world: int, init: str | bytes, runner_kwargs: dict) -> Communicator:
+    """This rank's communicator; on GPUs it also pins the rank to cuda:rank."""
+    if isinstance(init, bytes):
+        import torch
+
+        from ddserve.engine.comm import NcclComm
+
+        torch.cuda.set_device(rank)
+        runner_kwargs["device"] = f"cuda:{rank}"
+        return NcclComm(rank, world, init)
+    return GlooComm(rank, world, init)
+
+
+def _worker(rank: int, world: int, init: str | bytes, runner_kwargs: dict, inbox: Any) -> None:
     from ddserve.engine.runner import ModelRunner
 
-    comm = GlooComm(rank, world, init)
+    comm = _connect(rank, world, init, runner_kwargs)
     try:
         runner = ModelRunner(comm=comm, **runner_kwargs)
         while True:
@@ -50,7 +69,12 @@ class TPGroup:
         from ddserve.engine.runner import ModelRunner
 
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        if _is_cuda(runner_kwargs):
+            from ddserve.engine.comm import NcclComm
+
+            init: str | bytes = NcclComm.make_unique_id()
+        else:
+            init = f"tcp://127.0.0.1:{_free_port()}"
         self._inboxes = [ctx.Queue() for _ in range(1, tp)]
         self._procs = [
             ctx.Process(target=_worker, args=(r, tp, init, runner_kwargs, q), daemon=True)
@@ -58,7 +82,8 @@ class TPGroup:
         ]
         for p in self._procs:
             p.start()
-        self.comm: Communicator = GlooComm(0, tp, init)
+        runner_kwargs = dict(runner_kwargs)
+        self.comm: Communicator = _connect(0, tp, init, runner_kwargs)
         self.runner = ModelRunner(comm=self.comm, **runner_kwargs)
 
     def call(self, name: str, *args: Any) -> Any:

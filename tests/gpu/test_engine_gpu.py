@@ -82,3 +82,16 @@ def test_nccl_comm_collectives_on_two_gpus() -> None:
         assert reduced == 3.0
         assert gathered == [0.0] * 3 + [1.0] * 3
         assert bcast == [8.0, 8.0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_offline_llm_tp2_over_nccl_equals_tp1(model_dir) -> None:
+    pytest.importorskip("cupy")
+    from ddserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16)
+    kw = dict(drafter=model_dir / "drafter", budget=8, device="cuda", dtype="float32")
+    with LLM(model_dir, tp=1, **kw) as one, LLM(model_dir, tp=2, **kw) as two:
+        a = [o.token_ids for o in one.generate(PROMPTS, params)]
+        b = [o.token_ids for o in two.generate(PROMPTS, params)]
+    assert a == b
