@@ -70,6 +70,8 @@ def _serve(sub: argparse._SubParsersAction) -> None:
                    help="name clients use (default: the checkpoint directory's name)")  # fmt: skip
     p.add_argument("--seed", type=int, default=None,
                    help="base seed of unseeded requests (default: drawn at start-up)")  # fmt: skip
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="experimental: replay decode/verify forwards from CUDA graphs")  # fmt: skip
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     p.set_defaults(run="ddserve.serve.main:main")

@@ -35,6 +35,8 @@ class ShardSpec:
     dtype: str = "bfloat16"
     seed: int = 0
     max_streams: int = 16
+    cuda_graphs: bool = False
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,9 @@ class ShardWorker:
         else:
             comm = GlooComm(self.rank, s.world_size, comm_id)
         cfg = EngineConfig(
-            s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed, max_streams=s.max_streams
-        )
+            s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed, max_streams=s.max_streams,
+            cuda_graphs=s.cuda_graphs, graph_buckets=s.graph_buckets,
+        )  # fmt: skip
         drafter = Path(s.drafter_path) if s.drafter_path else None
         self.runner = ModelRunner(s.model_path, comm, cfg, drafter, s.device)
         mc = self.runner.model_cfg

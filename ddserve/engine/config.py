@@ -21,6 +21,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     seed: int = 0
     max_streams: int = 16  # concurrent streams: sizes per-stream device state (drafter context)
+    # replay decode/verify forwards from CUDA graphs (CUDA, 16-bit dtype); see engine/graphs.py
+    cuda_graphs: bool = False
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)  # batch sizes graphs are captured for
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -147,8 +147,10 @@ class LLM:
 
     def close(self) -> None:
         if self._group is not None:
-            self._group.close()
+            self._group.close()  # frees every rank's graphs before its communicator
             self._group = None
+        else:
+            self.runner.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -20,6 +20,7 @@ from ddserve.ddtree.verify import causal_masks
 from ddserve.engine.comm import Communicator, LocalComm
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import Drafter
+from ddserve.engine.graphs import GraphedForward
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
 from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
 from ddserve.sampling import SamplingParams
@@ -89,6 +90,27 @@ class ModelRunner:
         self._reserved = 0
         self._admitted = 0
         self.target_forwards = 0
+        self._graphs = self._make_graphs()
+
+    def _make_graphs(self) -> GraphedForward | None:
+        if not self.cfg.cuda_graphs:
+            return None
+        if self.device.type != "cuda" or self.cfg.torch_dtype == torch.float32:
+            log.warning("cuda_graphs needs a CUDA device and a 16-bit dtype: running eagerly")
+            return None
+        scratch = self.allocator.alloc(max(self.cfg.graph_buckets) * (self.cfg.budget + 1))
+        self._reserved += len(scratch)  # padding rows' slots, never given to a stream
+
+        def run_model(ids, pos, meta):
+            return self.model(ids, pos, self.kv.pool, meta, self.capture)
+
+        return GraphedForward(run_model, self.cfg.graph_buckets, scratch, self.device)
+
+    def close(self) -> None:
+        """Free CUDA graphs (before the communicator they captured collectives of)."""
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
 
     def _make_drafter(self, drafter: Drafter | str | Path | None) -> Drafter | None:
         if drafter is None or isinstance(drafter, Drafter) or hasattr(drafter, "draft"):
@@ -163,6 +185,19 @@ class ModelRunner:
             items.append((st.sid, len(st.slots), slots))
             st.slots.extend(slots)
         self.slot_table.append(items)
+
+    def _decode_forward(self, sts: list[Stream], q: int, new: list[list[int]], mask, ids, pos):
+        """The decode/verify forward: graph replay when enabled and the shape fits, else eager."""
+        if self._graphs is not None:
+            lens = [len(st.slots) for st in sts]
+            prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
+            flat = torch.tensor([s for block in new for s in block]).to(self.device)
+            lens_t = torch.tensor(lens).to(self.device)
+            out = self._graphs.run(ids, pos, prefix, lens_t, flat, mask, q)
+            if out is not None:
+                self.target_forwards += 1
+                return out
+        return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask))
 
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
@@ -274,8 +309,7 @@ class ModelRunner:
             ids = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
             pos = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
             ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
-            meta = self._meta(sts, [1] * len(sts), new, ones)
-            out = self._forward(ids, pos, meta)
+            out = self._decode_forward(sts, 1, new, ones, ids, pos)
             toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
         outs = {}
         for i, (st, tok) in enumerate(zip(sts, toks, strict=True)):
@@ -309,8 +343,7 @@ class ModelRunner:
         with self._free_on_error(blocks):
             prefix_lens = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
             ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B*(N+1)] each
-            meta = self._meta(sts, [n + 1] * len(sts), blocks, tree.visible)
-            out = self._forward(ids, pos, meta)
+            out = self._decode_forward(sts, n + 1, blocks, tree.visible, ids, pos)
             target = self._sample(sts, out.logits.view(len(sts), n + 1, -1))  # [B, N+1]
             acc = accept(tree, target)
             packed = acc.packed().tolist()  # the step's one D2H copy

@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, init: str | bytes, runner_kwargs: dict, inbox
         while True:
             name, args = inbox.get()
             if name == "close":
+                runner.close()  # graphs go before the communicator (NCCL waits for them)
                 break
             try:
                 getattr(runner, name)(*args)
@@ -92,6 +93,7 @@ class TPGroup:
         return getattr(self.runner, name)(*args)
 
     def close(self) -> None:
+        self.runner.close()
         for q in self._inboxes:
             q.put(("close", ()))
         for p in self._procs:

@@ -48,6 +48,8 @@ class ServeConfig(BaseModel):
     # unseeded sampling differs across restarts and replicas (every rank gets the same value)
     seed: int | None = None
     control: Literal["compiled", "fanout"] = "compiled"
+    # experimental: replay decode/verify forwards from CUDA graphs, one per bucket and budget
+    cuda_graphs: bool = False
     shard_cpus: float = Field(0.1, gt=0)
 
     def _fixed_budgets(self) -> list[int]:
@@ -73,7 +75,8 @@ class ServeConfig(BaseModel):
             num_slots=self.num_slots, budget=max([self.budget, *self._fixed_budgets()]),
             prefill_chunk=self.prefill_chunk, dtype=dtype,
             seed=self.seed if self.seed is not None else secrets.randbits(31),
-            max_streams=self.max_streams,
+            max_streams=self.max_streams, cuda_graphs=self.cuda_graphs,
+            graph_buckets=tuple(self.buckets),
         )  # fmt: skip
         cfg = RouterConfig(
             shard=spec,

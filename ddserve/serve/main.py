@@ -18,6 +18,8 @@ def config_from_args(args) -> dict:
              "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed")  # fmt: skip
     cfg = {n: getattr(args, n, None) for n in names}
     cfg["speculative"] = not args.no_speculative
+    if getattr(args, "cuda_graphs", False):
+        cfg["cuda_graphs"] = True
     return {k: v for k, v in cfg.items() if v is not None}
 
 
