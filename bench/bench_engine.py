@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, help="prefill forward size in tokens (2048)")
     ap.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (1024 MiB)")
     ap.add_argument("--graph-reps", type=int, default=5, help="CUDA-graph replays (0: off)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="run the engine itself with CUDA-graph replay (EngineConfig.cuda_graphs)")
     skip = "start no configuration past this many seconds (recorded as skipped)"
     ap.add_argument("--max-seconds", type=float, default=240.0, help=skip)
     ap.add_argument("--seed", type=int, default=0)
@@ -121,7 +123,11 @@ def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
     per_stream = args.prefix + max_tokens + max(args.budgets) + 1
     slack = 8 * c_max * (max(args.budgets) + 1)  # block slots a failed step may leave behind
     ecfg = EngineConfig(num_slots=c_max * per_stream + slack, budget=max(args.budgets),
-                        prefill_chunk=args.prefill_chunk, seed=args.seed)  # fmt: skip
+                        prefill_chunk=args.prefill_chunk, seed=args.seed,
+                        cuda_graphs=args.cuda_graphs,
+                        graph_buckets=tuple(sorted(args.batches)))  # fmt: skip
+    if args.cuda_graphs:
+        args.graph_reps = 0  # the engine replays its own graphs; no separate probe
     runner = ModelRunner.from_model(model, mcfg, engine_cfg=ecfg)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(2, mcfg.vocab_size, (c_max, args.prefix), generator=gen).tolist()

@@ -116,7 +116,7 @@ def stage_marks(runner: ModelRunner, clock: Clock, marks: list) -> Iterator[None
             (runner.drafter, "draft", "draft"),
             (runner_mod, "build_tree", "build"),
             (runner_mod, "block_meta", "prep"),
-            (runner, "_forward", "verify"),
+            (runner, "_decode_forward", "verify"),  # eager or graph replay
         ):
             stack.enter_context(patched(obj, name, _after(stage, getattr(obj, name), clock, marks)))
         yield
