@@ -69,13 +69,17 @@ class TPGroup:
     def __init__(self, tp: int, runner_kwargs: dict) -> None:
         from ddserve.engine.runner import ModelRunner
 
-        ctx = mp.get_context("spawn")
         if _is_cuda(runner_kwargs):
+            import torch
+
             from ddserve.engine.comm import NcclComm
 
+            if tp > torch.cuda.device_count():  # a worker without a GPU leaves rank 0 in NCCL init
+                raise ValueError(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
             init: str | bytes = NcclComm.make_unique_id()
         else:
             init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(1, tp)]
         self._procs = [
             ctx.Process(target=_worker, args=(r, tp, init, runner_kwargs, q), daemon=True)

@@ -121,7 +121,7 @@ def prepare_completion(
         ids = tok.encode(prompt, add_bos=bos, allow_special=True)
     else:
         ids = [int(t) for t in prompt]
-        _check_token_ids(ids, vocab, "prompt")
+    _check_token_ids(ids, vocab, "prompt")  # spelled specials can lie past the model's vocab
     _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")
     params = _params(req, req.max_tokens, len(ids), ctx, COMPLETION_DEFAULT_MAX_TOKENS)
     return ids, params, req.stop_strings()
@@ -144,6 +144,8 @@ def prepare_chat(
     # the template's control tokens must become their ids (message text rendered into the
     # template is encoded the same way: a message that spells a control token gets it)
     ids = tok.encode(text, add_bos=False, allow_special=True)
-    _check_token_ids(list(req.stop_token_ids or ()), _vocab(tok, model_vocab), "stop_token_ids")
+    vocab = _vocab(tok, model_vocab)
+    _check_token_ids(ids, vocab, "messages")  # spelled specials can lie past the model's vocab
+    _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")
     params = _params(req, req.requested_max_tokens(), len(ids), ctx, CHAT_DEFAULT_MAX_TOKENS)
     return ids, params, req.stop_strings()
