@@ -57,7 +57,7 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--buckets", type=_ints, default=None,
                    help="batch sizes streams are padded to, e.g. 1,2,4,8,12,16")  # fmt: skip
     p.add_argument("--budgets", type=_ints_or_auto, default=None,
-                   help="one tree budget per bucket, or 'auto' to choose each bucket's budget "
+                   help="one tree budget per bucket, or 'auto' to choose each batch size's budget "
                    "online by measured tokens/s (default: --budget for all)")  # fmt: skip
     p.add_argument("--num-slots", type=int, default=None,
                    help="KV cache size in tokens, per replica (default 32768)")  # fmt: skip

@@ -56,7 +56,8 @@ def ray_router(model_dir, drafter_dir):
         dtype="float32",
     )
     # budgets chosen online (the e2e server covers fixed per-bucket budgets)
-    cfg = RouterConfig(spec, max_streams=3, max_queue=2, control="fanout",
+    # max_queue 3: three simultaneous requests always fit whatever the arrival timing
+    cfg = RouterConfig(spec, max_streams=3, max_queue=3, control="fanout",
                        buckets=(1, 2, 4), budget_candidates=(1, 3, BUDGET))  # fmt: skip
     router, info = asyncio.run(start_router(cfg))
     yield RayEngineClient(router), info
@@ -139,7 +140,7 @@ def test_full_queue_raises_queue_full_and_cancel_frees_everything(ray_router) ->
 
     async def main():
         gens = [
-            engine.generate(f"q{i}", _prompt(i), SamplingParams(max_tokens=40)) for i in range(6)
+            engine.generate(f"q{i}", _prompt(i), SamplingParams(max_tokens=40)) for i in range(10)
         ]
         results = await asyncio.gather(*[anext(g) for g in gens], return_exceptions=True)
         for g in gens:
@@ -147,6 +148,7 @@ def test_full_queue_raises_queue_full_and_cancel_frees_everything(ray_router) ->
         return results
 
     results = asyncio.run(main())
+    # at most max_streams + max_queue = 6 are held at once: 10 at a time must overflow
     assert sum(isinstance(r, QueueFull) for r in results) >= 1
     assert sum(not isinstance(r, Exception) for r in results) >= 2
 

@@ -236,7 +236,8 @@ class Router:
             self._engine[r.rid] = r
         bucket, budget = self.cfg.bucket(max(len(step), 1))
         if self._tuner is not None and step:
-            budget = self._tuner.choose(bucket)
+            # keyed by the real batch size: steps are not padded, so a bucket's batches differ
+            budget = self._tuner.choose(len(step))
         return Command(
             cancel=tuple(cancel),
             add=tuple((r.rid, r.prompt, r.params) for r in add),
@@ -269,10 +270,13 @@ class Router:
             self._stats.record_step(len(cmd.step), committed, wall_s, res.busy_s)
             if self._tuner is not None and cmd.speculative:
                 per_stream = committed / len(cmd.step)
-                self._tuner.record(cmd.bucket, cmd.budget, per_stream, res.step_s)
+                self._tuner.record(len(cmd.step), cmd.budget, per_stream, res.step_s)
 
     def _bucket_budgets(self) -> dict[int, int]:
-        """bucket -> the tree budget its steps use now (fixed, or the tuner's current choice)."""
+        """batch size -> the tree budget its steps use now: fixed per bucket (keyed by the bucket
+        size), or the tuner's current choice (keyed by the batch sizes seen); {} without DDTree."""
+        if not self.info.get("speculative"):
+            return {}
         if self._tuner is not None:
             return self._tuner.snapshot()
         return {b: self.cfg.bucket(b)[1] for b in self.cfg.buckets}

@@ -39,8 +39,8 @@ class ServeConfig(BaseModel):
     max_queue: int = Field(64, ge=1)  # every request passes through the queue
     budget: int = Field(16, ge=1)
     buckets: list[int] = [1, 2, 4, 8, 12, 16]
-    # one per bucket, or "auto": each bucket's budget is chosen online among powers of two up to
-    # `budget` by measured committed tokens per second
+    # one per bucket, or "auto": the budget of each batch size is chosen online among powers
+    # of two up to `budget`, by measured committed tokens per second
     budgets: list[int] | Literal["auto"] | None = None
     num_slots: int = Field(32768, ge=64)
     prefill_chunk: int = Field(512, ge=1)

@@ -118,10 +118,10 @@ def families(http: HttpCounters, engine: dict) -> list[Family]:
     budgets = engine.get("bucket_budgets") or {}
     out.append(
         Family(
-            "ddserve_bucket_budget",
+            "ddserve_batch_budget",
             "gauge",
-            "DDTree budget each batch bucket uses now (fixed, or the online tuner's choice).",
-            [("ddserve_bucket_budget", {"bucket": str(b)}, float(n)) for b, n in budgets.items()],
+            "DDTree budget used at each batch size (fixed per bucket, or the online tuner's).",
+            [("ddserve_batch_budget", {"batch": str(b)}, float(n)) for b, n in budgets.items()],
         )
     )
     for key, help_ in (
