@@ -55,7 +55,8 @@ def test_serve_cli_flags_become_valid_deployment_args() -> None:
     assert (cfg.tp, cfg.max_streams, cfg.budget, cfg.speculative) == (4, 6, 8, False)
     assert config_from_args(build_parser().parse_args(["serve"])).get("model") is None
     more = ["serve", "--buckets", "1,2,4", "--budgets", "16,8,4", "--num-slots", "4096",
-            "--dtype", "float32", "--served-model-name", "k2", "--max-queue", "5"]  # fmt: skip
+            "--max-streams", "4", "--dtype", "float32", "--served-model-name", "k2",
+            "--max-queue", "5"]  # fmt: skip
     cfg = ServeConfig.model_validate(config_from_args(build_parser().parse_args(more)))
     assert (cfg.buckets, cfg.budgets, cfg.num_slots) == ([1, 2, 4], [16, 8, 4], 4096)
     assert (cfg.dtype, cfg.served_model_name, cfg.max_queue) == ("float32", "k2", 5)
@@ -83,3 +84,13 @@ def test_online_budgets_are_configured_and_bounded() -> None:
         RouterConfig(spec, budget_candidates=(4, 32))  # above the engine's KV reservation
     with pytest.raises(ValueError, match="not both"):
         RouterConfig(spec, max_streams=2, buckets=(1, 2), budgets=(8, 4), budget_candidates=(4, 8))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"buckets": [4, 2]}, {"max_streams": 12, "buckets": [1, 2, 4, 8]}, {"budgets": [8, 4]},
+     {"budget": 64, "num_slots": 64}],
+)  # fmt: skip
+def test_inconsistent_deployments_fail_when_the_config_is_read(bad) -> None:
+    with pytest.raises(ValueError):
+        ServeConfig.model_validate(bad)

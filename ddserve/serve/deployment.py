@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from ddserve.actors.budget import default_candidates
@@ -51,6 +51,22 @@ class ServeConfig(BaseModel):
     # experimental: replay decode/verify forwards from CUDA graphs, one per bucket and budget
     cuda_graphs: bool = False
     shard_cpus: float = Field(0.1, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServeConfig:
+        """The router's rules, checked when the config is read (`serve deploy` fails at once
+        instead of a replica failing its start-up again and again)."""
+        b = self.buckets
+        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
+            raise ValueError(f"buckets must be increasing positive batch sizes, got {b}")
+        if self.max_streams > b[-1]:
+            raise ValueError(f"max_streams {self.max_streams} exceeds the largest bucket {b[-1]}")
+        fixed = self._fixed_budgets()
+        if fixed and (len(fixed) != len(b) or min(fixed) < 1):
+            raise ValueError(f"budgets needs one positive budget per bucket, got {fixed}")
+        if max([self.budget, *fixed]) + 1 >= self.num_slots:
+            raise ValueError(f"num_slots {self.num_slots} leaves no room beside the tree budget")
+        return self
 
     def _fixed_budgets(self) -> list[int]:
         return [] if self.budgets in (None, "auto") else list(self.budgets)
