@@ -104,6 +104,8 @@ class LLM:
         outs = [GenerationOutput(self.encode(p)) for p in prompts]
         for o in outs:
             o.stats.update(steps=0, mean_committed=0.0, committed_per_step=[])
+        if speculative and self.runner.drafter is None:
+            log.warning("generate(speculative=True) without a drafter: decoding autoregressively")
         step = "ddtree_step" if speculative and self.runner.drafter is not None else "ar_step"
         forwards0 = self.runner.target_forwards
         queue, active = deque(range(len(outs))), {}
