@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi -L | tee "$OUT/gpus.txt"
-timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+# the device tool returns at most 8 files from $OUT: tests print, logs are removed at the end
+nvidia-smi -L
+timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -15
 timeout 150 python3 bench/gpu_engine_check.py --out "$OUT/gpu_engine_check.json" 2>&1 | tail -12
 if python3 -c "import ray" 2>/dev/null && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   mkdir -p "$OUT/serve" && OUT=$OUT/serve timeout 170 bash bench/gpu_serve_check.sh 2>&1 | tail -8
@@ -22,3 +23,4 @@ mv "$OUT/engine.json" "$OUT/engine_eager.json" 2>/dev/null
 mv "$OUT/engine.log" "$OUT/engine_eager.log" 2>/dev/null
 OUT=$OUT bash bench/run_engine_gpu.sh --max-seconds 60 --batches 1,5 --budgets 8,16 --corrupt 0.3 \
   --cuda-graphs
+rm -f "$OUT"/engine*.log
