@@ -28,8 +28,15 @@ def test_text_prompt_with_a_special_id_past_the_model_vocab_is_a_400() -> None:
         prepare_completion(CompletionRequest(prompt="hi!"), "m", WideTok(), 64, MODEL_VOCAB)
     assert e.value.status == 400
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi!"}])
+    ids, _, _ = prepare_chat(req, "m", WideTok(), 64, MODEL_VOCAB)
+    assert 259 not in ids and ord("!") in ids  # message text cannot spell control tokens
+
+    class BangTemplate(WideTok):  # the template itself emits the out-of-range control token
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return "!" + "".join(m["content"] for m in messages)
+
     with pytest.raises(ApiError) as e:
-        prepare_chat(req, "m", WideTok(), 64, MODEL_VOCAB)
+        prepare_chat(req, "m", BangTemplate(), 64, MODEL_VOCAB)
     assert e.value.status == 400
     ids, _, _ = prepare_completion(CompletionRequest(prompt="hi"), "m", WideTok(), 64, MODEL_VOCAB)
     assert ids == list(b"hi")

@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 
 from ddserve.sampling import SamplingParams
+from ddserve.serve.chat import encode_chat
 from ddserve.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -132,8 +133,8 @@ def prepare_chat(
 ) -> tuple[list[int], SamplingParams, list[str]]:
     _check_common(req, served)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = tok.apply_chat_template(messages)
+    try:  # the template's control tokens become ids; message text cannot forge them
+        ids = encode_chat(tok, messages)
     except (ValueError, jinja2.TemplateError) as e:  # no template, or it refused the messages
         raise ApiError(
             400,
@@ -141,9 +142,6 @@ def prepare_chat(
             "/v1/completions with a plain prompt.",
             param="messages",
         ) from e
-    # the template's control tokens must become their ids (message text rendered into the
-    # template is encoded the same way: a message that spells a control token gets it)
-    ids = tok.encode(text, add_bos=False, allow_special=True)
     vocab = _vocab(tok, model_vocab)
     _check_token_ids(ids, vocab, "messages")  # spelled specials can lie past the model's vocab
     _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")
