@@ -47,7 +47,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     keep += range(ord("®"), ord("ÿ") + 1)
@@ -65,7 +65,7 @@ def write_byte_tokenizer(out_dir: str | Path) -> None:
     """tokenizer.json + tokenizer_config.json for a 264-token byte-level vocabulary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

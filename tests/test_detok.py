@@ -8,25 +8,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ddserve.serve.detok import IncrementalDetokenizer, StopChecker
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for every byte (what ByteLevel decoders invert)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+from ddserve.tokenizer import bytes_to_unicode
 
 
 @pytest.fixture(scope="module")
 def byte_tok() -> Tokenizer:
     """One token per byte (id == byte value) plus merged tokens that split characters."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     vocab = {b2u[b]: b for b in range(256)}
     merges = []
     # Tokens that end or start inside a UTF-8 character: "é" = C3 A9, "€" = E2 82 AC.
