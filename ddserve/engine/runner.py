@@ -22,6 +22,7 @@ from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import Drafter
 from ddserve.engine.graphs import GraphedForward
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
+from ddserve.kernels import backend
 from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
 from ddserve.sampling import SamplingParams
 
@@ -73,6 +74,7 @@ class ModelRunner:
 
     def _setup(self, model, model_cfg, comm, engine_cfg, drafter) -> None:
         self.cfg, self.comm = engine_cfg, comm
+        backend.set_batch_invariant(engine_cfg.batch_invariant)
         self.model, self.model_cfg = model, model_cfg
         self.device = next(model.parameters()).device
         mc = self.model_cfg

@@ -13,13 +13,34 @@ log = logging.getLogger(__name__)
 
 HALF = (torch.bfloat16, torch.float16)
 
+# Batch-invariant mode: every kernel computes each token's row with the same arithmetic in the
+# same order whatever else is in the batch (and, for attention, whether a key is a prefix key or
+# a tree key), so a DDTree verify row equals the autoregressive row bit for bit in 16-bit dtypes.
+# One process serves one engine, so the mode is process-wide; ModelRunner sets it from
+# EngineConfig.batch_invariant.
+_batch_invariant = False
+
+
+def set_batch_invariant(on: bool) -> None:
+    global _batch_invariant
+    if on != _batch_invariant:
+        log.info("batch-invariant kernels: %s", "on" if on else "off")
+    _batch_invariant = bool(on)
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
+
 
 def _half_only(fast: Callable, ref: Callable) -> Callable:
-    """GPU kernels take 16-bit activations; float32 runs (exactness checks) use the reference."""
+    """GPU kernels take 16-bit activations; float32 runs (exactness checks) use the reference.
+    The fast kernel is told the batch-invariant mode at every call."""
 
     @functools.wraps(fast)
     def call(x: torch.Tensor, *args, **kwargs):
-        return (fast if x.dtype in HALF else ref)(x, *args, **kwargs)
+        if x.dtype in HALF:
+            return fast(x, *args, invariant=_batch_invariant, **kwargs)
+        return ref(x, *args, **kwargs)
 
     return call
 

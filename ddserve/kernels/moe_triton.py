@@ -220,8 +220,10 @@ def fused_moe(
     weights: ExpertWeights,
     *,
     config: dict | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """`moe_ref`'s contract on CUDA (or the Triton interpreter). `config` overrides tile sizes."""
+    """`moe_ref`'s contract on CUDA (or the Triton interpreter). `config` overrides tile sizes.
+    `invariant`: each token's output must not depend on the rest of the batch (not yet honoured)."""
     t, hidden = x.shape
     topk = topk_ids.shape[1]
     int4 = weights.is_int4

@@ -161,6 +161,7 @@ def tree_mla_attention(
     softmax_scale: float,
     *,
     config: dict | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract. `config` may override BM, BN, num_warps, num_stages,
     NSPLIT. R and P must be powers of two (512 and 64 for K2.x)."""
