@@ -72,6 +72,9 @@ def _serve(sub: argparse._SubParsersAction) -> None:
                    help="base seed of unseeded requests (default: drawn at start-up)")  # fmt: skip
     p.add_argument("--cuda-graphs", action="store_true",
                    help="experimental: replay decode/verify forwards from CUDA graphs")  # fmt: skip
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant GPU kernels, so speculative output equals plain decoding "
+                   "bit for bit in bf16 (default: on)")  # fmt: skip
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
     p.set_defaults(run="ddserve.serve.main:main")

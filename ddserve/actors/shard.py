@@ -37,6 +37,7 @@ class ShardSpec:
     max_streams: int = 16
     cuda_graphs: bool = False
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    batch_invariant: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class ShardWorker:
         cfg = EngineConfig(
             s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed, max_streams=s.max_streams,
             cuda_graphs=s.cuda_graphs, graph_buckets=s.graph_buckets,
+            batch_invariant=s.batch_invariant,
         )  # fmt: skip
         drafter = Path(s.drafter_path) if s.drafter_path else None
         self.runner = ModelRunner(s.model_path, comm, cfg, drafter, s.device)

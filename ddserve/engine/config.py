@@ -26,7 +26,7 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)  # batch sizes graphs are captured for
     # batch-invariant GPU kernels: a token's logits do not depend on what else is in the forward,
     # so DDTree == autoregressive bit for bit in 16-bit dtypes (see kernels/backend.py)
-    batch_invariant: bool = False
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -53,6 +53,7 @@ class LLM:
         prefill_chunk: int = 512,
         max_streams: int = 16,
         seed: int | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         if model_path is None:
             from ddserve.model.tiny import default_model_dir
@@ -60,7 +61,10 @@ class LLM:
             model_path = default_model_dir()
         self.model_path = Path(model_path)
         seed = random.randrange(2**31) if seed is None else seed
-        cfg = EngineConfig(num_slots, budget, prefill_chunk, dtype, seed, max_streams=max_streams)
+        cfg = EngineConfig(
+            num_slots, budget, prefill_chunk, dtype, seed, max_streams=max_streams,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
         kwargs = dict(model_path=self.model_path, engine_cfg=cfg, drafter=drafter, device=device)
         self.max_streams, self.tp, self._next_sid = max_streams, tp, 0
         self._group = None

@@ -50,6 +50,8 @@ class ServeConfig(BaseModel):
     control: Literal["compiled", "fanout"] = "compiled"
     # experimental: replay decode/verify forwards from CUDA graphs, one per bucket and budget
     cuda_graphs: bool = False
+    # batch-invariant GPU kernels: DDTree output equals plain decoding bit for bit in bf16
+    batch_invariant: bool = True
     shard_cpus: float = Field(0.1, gt=0)
 
     @model_validator(mode="after")
@@ -92,7 +94,7 @@ class ServeConfig(BaseModel):
             prefill_chunk=self.prefill_chunk, dtype=dtype,
             seed=self.seed if self.seed is not None else secrets.randbits(31),
             max_streams=self.max_streams, cuda_graphs=self.cuda_graphs,
-            graph_buckets=tuple(self.buckets),
+            graph_buckets=tuple(self.buckets), batch_invariant=self.batch_invariant,
         )  # fmt: skip
         cfg = RouterConfig(
             shard=spec,

@@ -15,7 +15,8 @@ log = logging.getLogger("ddserve.serve")
 def config_from_args(args) -> dict:
     """The `ddserve serve` flags as ServeConfig arguments (unset flags keep the defaults)."""
     names = ("model", "drafter", "tp", "max_streams", "budget", "buckets", "budgets",
-             "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed")  # fmt: skip
+             "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed",
+             "batch_invariant")  # fmt: skip
     cfg = {n: getattr(args, n, None) for n in names}
     cfg["speculative"] = not args.no_speculative
     if getattr(args, "cuda_graphs", False):
