@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--graph-reps", type=int, default=5, help="CUDA-graph replays (0: off)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="run the engine itself with CUDA-graph replay (EngineConfig.cuda_graphs)")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch-invariant kernels (EngineConfig.batch_invariant, default on)")
     skip = "start no configuration past this many seconds (recorded as skipped)"
     ap.add_argument("--max-seconds", type=float, default=240.0, help=skip)
     ap.add_argument("--seed", type=int, default=0)
@@ -124,7 +126,7 @@ def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
     slack = 8 * c_max * (max(args.budgets) + 1)  # block slots a failed step may leave behind
     ecfg = EngineConfig(num_slots=c_max * per_stream + slack, budget=max(args.budgets),
                         prefill_chunk=args.prefill_chunk, seed=args.seed,
-                        cuda_graphs=args.cuda_graphs,
+                        cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant,
                         graph_buckets=tuple(sorted(args.batches)))  # fmt: skip
     if args.cuda_graphs:
         args.graph_reps = 0  # the engine replays its own graphs; no separate probe

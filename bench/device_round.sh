@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call of a development round: correctness first, then timing. Everything under $OUT
+# (at most 8 files come back from the device: JSON per part plus one log).
+#   OUT=results bash bench/device_round.sh check   # GPU tests, exactness probe, DDTree == AR
+#   OUT=results bash bench/device_round.sh speed   # MoE and attention kernel benchmarks
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+LOG=$OUT/log
+{ date -u; nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } >>"$LOG" 2>&1
+case "${1:-check}" in
+  check)
+    timeout 260 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 | tail -40 >>"$LOG"
+    timeout 90 python3 bench/exactness_probe.py --out "$OUT/probe.json" 2>&1 | tail -30 >>"$LOG"
+    timeout 150 python3 bench/gpu_engine_check.py --batch-invariant --dtypes bfloat16 \
+      --out "$OUT/engine_check_bf16_invariant.json" 2>&1 | tail -8 >>"$LOG"
+    ;;
+  speed)
+    (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
+    (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"
+    ;;
+esac
+tail -c 11000 "$LOG"
