@@ -1,4 +1,5 @@
-"""W4A16 grouped MoE GEMM in Triton, on the compressed-tensors INT4 layout as shipped (no repack).
+"""Variant "v1" (first version, kept for comparison): W4A16 grouped MoE GEMM in Triton, on the
+compressed-tensors INT4 layout as shipped (no repack).
 
 Semantics are `moe_ref.moe_ref`'s. Two launches after a device-side grouping of (token, slot) pairs
 by expert (torch ops, no host sync):
@@ -213,7 +214,7 @@ def _pick_bm(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 5 else 32 if per_expert <= 14 else 64
 
 
-def fused_moe(
+def fused_moe_v1(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, k] int
     topk_weights: torch.Tensor,  # [T, k] float32, routed_scaling_factor already applied
@@ -223,7 +224,7 @@ def fused_moe(
     invariant: bool = False,
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """`moe_ref`'s contract on CUDA (or the Triton interpreter). `config` overrides tile sizes.
-    `invariant`: each token's output must not depend on the rest of the batch (not yet honoured)."""
+    Not batch invariant (shape-dependent tiles, fp32 atomics); `invariant` is ignored."""
     t, hidden = x.shape
     topk = topk_ids.shape[1]
     int4 = weights.is_int4

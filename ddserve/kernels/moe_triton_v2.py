@@ -1,0 +1,334 @@
+"""Variant "v2" of the W4A16 grouped MoE: split-K up-projection, optional bf16x2 asm dequant, and a
+batch-invariant mode. Same INT4 layout and grouping as v1 (`moe_triton_v1`, no repack).
+
+Launches after `align_by_expert` (torch ops, no host sync):
+
+1. up:      part[s, r] = x_t @ W13_e[:, K-split s]^T (fp32), SPLIT programs per (block, columns),
+            each walking K / SPLIT columns (more loads in flight when few experts are touched).
+            With SPLIT == 1 the SiLU-mul is fused and h is written directly.
+2. silu:    h[r] = silu(sum_s gate part) * (sum_s up part), splits summed in order 0..SPLIT-1, bf16.
+3. down:    y[p] = w_p * (h[p] @ W2_e^T). Fast mode: fp32 atomic adds into out[t].
+            Invariant mode: y stored per pair ([P, H] fp32), then
+4. combine: out[t] = sum_j y[t * k + j] in slot order j = 0..k-1, cast to x.dtype.
+
+Batch invariance (`invariant=True`): the tile config (BM, BN, KW, SPLIT, warps, stages) is fixed,
+not picked from T; the kernels are compiled without specializing on T-dependent integers; every
+sum over K splits and top-k slots is in a fixed order with no atomics; calls with more than
+`CHUNK` tokens are split on the host (per-token arithmetic is unchanged). So a token's output row
+does not depend on the other tokens in the call or on their routing (MMA results per element do
+not depend on other rows/columns of a tile when the compiled kernel is the same).
+
+ASM dequant (`ASM=True`, CUDA only, bf16 scales): `(w >> s) & 0x000F000F | 0x43004300` via lop3
+gives two bf16 values 128 + n, one bf16x2 fma subtracts 136 exactly and one multiplies by the
+scale (a single rounding): the same bits as the pure-Triton path (fp32 q * s rounded to bf16).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ddserve.kernels.moe_ref import ExpertWeights
+from ddserve.kernels.moe_triton_v1 import _pick_bm, _unpack, align_by_expert
+
+CHUNK = 1024  # invariant mode: tokens per call (bounds the [P, H] fp32 per-pair buffer)
+INVARIANT_CONFIG = dict(BM=16, BN1=32, SPLIT=4, KW1=16, BN2=128, KW2=16, W1=4, W2=4, S1=3, S2=2)
+
+
+@triton.jit
+def _pair_asm(w, s):
+    """Nibbles at bits 0 and 16 of each word times scale s: two bf16 tensors (asm, CUDA only)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, s2, one, c;
+        mov.b32 s2, {$3, $3};
+        mov.b32 one, 0x3F803F80;
+        mov.b32 c, 0xC308C308;
+        lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+        fma.rn.bf16x2 t, t, one, c;
+        mov.b32 c, 0x80008000;
+        fma.rn.bf16x2 t, t, s2, c;
+        mov.b32 {$0, $1}, t;
+        }""",
+        constraints="=h,=h,r,h",
+        args=[w, s],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _unpack_asm(words, scale):
+    """`_unpack` with the bf16x2 trick: same output bits, about 1.5 instructions per weight."""
+    s = scale.to(tl.bfloat16)
+    n0, n4 = _pair_asm(words, s)
+    n1, n5 = _pair_asm(words >> 4, s)
+    n2, n6 = _pair_asm(words >> 8, s)
+    n3, n7 = _pair_asm(words >> 12, s)
+    lo = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    hi = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    w = tl.join(lo, hi)  # [BN, KW, 2, 2, 2]
+    return tl.reshape(w, (w.shape[0], w.shape[1] * 8))
+
+
+@triton.jit
+def _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4: tl.constexpr,
+          KW: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Rows n, columns kb .. kb + 8 KW of one expert's weight: [BN, 8 KW] bf16 (0 outside)."""
+    if INT4:
+        wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
+        wm = n_ok[:, None] & (wi < K // 8)[None, :]
+        words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+        if ASM:
+            return _unpack_asm(words, scale)
+        else:
+            return _unpack(words, scale)
+    else:
+        k = kb + tl.arange(0, 8 * KW)
+        wm = n_ok[:, None] & (k < K)[None, :]
+        return tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0).to(
+            tl.bfloat16
+        )
+
+
+@triton.jit
+def _mma(a, b, F32: tl.constexpr):
+    """a @ b with fp32 accumulation; F32 (interpreter only: its bf16 dot is broken in triton 3.6
+    with numpy 2) widens the bf16 operands first, which gives the same products."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
+def _up_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr,
+    num_pairs, num_experts, num_mblocks, N_half,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_or,
+    K: tl.constexpr, K_CHUNK: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    F32: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_m = pid % num_mblocks
+    rest = pid // num_mblocks
+    pid_s = rest % SPLIT
+    pid_n = rest // SPLIT
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)  # [BM]
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    tok = (pair // TOPK).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)  # [BN] gate rows; up rows are n + N_half
+    n_ok = n < N_half
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    acc_g = tl.zeros([BN, BM], dtype=tl.float32)  # weights on the MMA's M side
+    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    k_lo = pid_s * K_CHUNK
+    for kk in range(0, K_CHUNK, 8 * KW):  # constexpr bounds (also what the interpreter can run)
+        kb = k_lo + kk
+        wg = _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, ASM)
+        wu = _tile(w_base, s_base, n + N_half, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, ASM)
+        k = kb + tl.arange(0, 8 * KW)
+        xm = valid[None, :] & (k < K)[:, None]
+        xk = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=xm, other=0.0)
+        acc_g += _mma(wg, xk, F32)  # [BN, BM]
+        acc_u += _mma(wu, xk, F32)
+    o_ptrs = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_or + n[:, None]
+    if SPLIT == 1:  # out is h [rows, N_half] bf16
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(o_ptrs, h.to(tl.bfloat16), mask=n_ok[:, None])
+    else:  # out is part [SPLIT, rows, 2 N_half] fp32
+        tl.store(o_ptrs, acc_g, mask=n_ok[:, None])
+        tl.store(o_ptrs + N_half, acc_u, mask=n_ok[:, None])
+
+
+@triton.jit
+def _silu_kernel(part_ptr, h_ptr, bexp_ptr, num_experts, N_half, stride_ps, stride_pr, stride_h,
+                 SPLIT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # [BM]
+    c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
+    m = (c < N_half)[None, :]
+    g = tl.zeros([BM, BC], dtype=tl.float32)
+    u = tl.zeros([BM, BC], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # fixed order
+        p = part_ptr + s * stride_ps + rows[:, None] * stride_pr + c[None, :]
+        g += tl.load(p, mask=m, other=0.0)
+        u += tl.load(p + N_half, mask=m, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + rows[:, None] * stride_h + c[None, :], h.to(tl.bfloat16), mask=m)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, tw_ptr,
+    num_pairs, num_experts, num_mblocks, N,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    K: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    KW: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_m = pid % num_mblocks
+    pid_n = pid // num_mblocks
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    wt = tl.load(tw_ptr + pair, mask=valid, other=0.0)  # [BM] top-k weight of each pair
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for kb in range(0, K, 8 * KW):
+        w = _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, ASM)
+        k = kb + tl.arange(0, 8 * KW)
+        hk = tl.load(
+            h_ptr + rows[None, :] * stride_h + k[:, None], mask=(k < K)[:, None], other=0.0
+        )
+        acc += _mma(w, hk, F32)  # [BN, BM]
+    y = acc * wt[None, :]
+    m = valid[None, :] & n_ok[:, None]
+    if ATOMIC:  # out [T, N] fp32
+        tl.atomic_add(out_ptr + (pair // TOPK)[None, :] * stride_o + n[:, None], y, mask=m)
+    else:  # out [P, N] fp32, one row per (token, slot) pair
+        tl.store(out_ptr + pair[None, :] * stride_o + n[:, None], y, mask=m)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, N, stride_y, stride_o, TOPK: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = c < N
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(TOPK):  # slot order
+        acc += tl.load(y_ptr + (t * TOPK + j) * stride_y + c, mask=m, other=0.0)
+    tl.store(out_ptr + t * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 132
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def default_config(
+    p: int, num_experts: int, inter: int, dev: torch.device, invariant: bool
+) -> dict:
+    """Tile config. Invariant: the fixed INVARIANT_CONFIG. Otherwise shaped by the pair count."""
+    if invariant:
+        return dict(INVARIANT_CONFIG)
+    bm = _pick_bm(p, num_experts)
+    bn1 = 32 if 4 * p < num_experts else 64
+    nb = triton.cdiv(p + min(num_experts, p) * (bm - 1), bm)
+    programs = nb * triton.cdiv(inter, bn1)
+    split = 1
+    while split < 8 and programs * split < 4 * _num_sms(dev):
+        split *= 2
+    return dict(INVARIANT_CONFIG, BM=bm, BN1=bn1, SPLIT=split)
+
+
+def fused_moe_v2(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_weights: torch.Tensor,  # [T, k] float32, routed_scaling_factor already applied
+    weights: ExpertWeights,
+    *,
+    config: dict | None = None,
+    invariant: bool = False,
+) -> torch.Tensor:  # [T, H] in x.dtype
+    """`moe_ref`'s contract. `config` overrides tile sizes (keys of INVARIANT_CONFIG, ASM,
+    ATOMIC); with `invariant` the overrides must themselves be fixed across calls."""
+    t, hidden = x.shape
+    if invariant and t > CHUNK:
+        return torch.cat([
+            fused_moe_v2(x[i : i + CHUNK], topk_ids[i : i + CHUNK], topk_weights[i : i + CHUNK],
+                         weights, config=config, invariant=True)
+            for i in range(0, t, CHUNK)
+        ])  # fmt: skip
+    topk = topk_ids.shape[1]
+    int4 = weights.is_int4
+    w13 = weights.w13_packed if int4 else weights.w13
+    w2 = weights.w2_packed if int4 else weights.w2
+    s13 = weights.w13_scale if int4 else w13  # unused when dense
+    s2 = weights.w2_scale if int4 else w2
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    p = t * topk
+    cfg = default_config(p, num_experts, inter, x.device, invariant)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    cfg["ASM"] = (
+        int4
+        and x.device.type == "cuda"
+        and not interp
+        and s13.dtype == torch.bfloat16
+        and s2.dtype == torch.bfloat16
+    )
+    cfg["ATOMIC"] = not invariant
+    cfg.update(config or {})
+    if t == 0:
+        return torch.zeros_like(x)
+    bm, split, kw1 = cfg["BM"], cfg["SPLIT"], cfg["KW1"]
+    sorted_pairs, block_expert = align_by_expert(topk_ids, num_experts, bm)
+    nb = block_expert.numel()
+    xin = x.to(torch.bfloat16).contiguous()  # [T, H]
+    dev = x.device
+    h = torch.empty(nb * bm, inter, dtype=torch.bfloat16, device=dev)  # [rows, I]
+    part = (
+        h if split == 1 else torch.empty(split, nb * bm, 2 * inter, dtype=torch.float32, device=dev)
+    )
+    k_chunk = triton.cdiv(triton.cdiv(hidden, split), 8 * kw1) * 8 * kw1
+    stride_os = 0 if split == 1 else part.stride(0)
+    stride_or = h.stride(0) if split == 1 else part.stride(1)
+    _up_kernel[(nb * split * triton.cdiv(inter, cfg["BN1"]),)](
+        xin, w13, s13, part, sorted_pairs, block_expert,
+        p, num_experts, nb, inter,
+        xin.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        stride_os, stride_or, K=hidden, K_CHUNK=k_chunk,
+        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=kw1, SPLIT=split, ASM=cfg["ASM"], F32=interp,
+        num_warps=cfg["W1"], num_stages=cfg["S1"],
+    )  # fmt: skip
+    if split > 1:
+        _silu_kernel[(nb, triton.cdiv(inter, 64))](
+            part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1), h.stride(0),
+            SPLIT=split, BM=bm, BC=64,
+        )  # fmt: skip
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
+    rows_out = t if cfg["ATOMIC"] else p
+    y = (torch.zeros if cfg["ATOMIC"] else torch.empty)(
+        rows_out, hidden, dtype=torch.float32, device=dev
+    )
+    _down_kernel[(nb * triton.cdiv(hidden, cfg["BN2"]),)](
+        h, w2, s2, y, sorted_pairs, block_expert, tw,
+        p, num_experts, nb, hidden,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        K=inter, TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], ASM=cfg["ASM"],
+        ATOMIC=cfg["ATOMIC"], F32=interp, num_warps=cfg["W2"], num_stages=cfg["S2"],
+    )  # fmt: skip
+    if cfg["ATOMIC"]:
+        return y.to(x.dtype)
+    out = torch.empty_like(x)
+    _combine_kernel[(t, triton.cdiv(hidden, 1024))](
+        y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024
+    )
+    return out
