@@ -86,3 +86,65 @@ def moe(device_type: str) -> Callable:
 
 def device_type(t: torch.Tensor | torch.device) -> str:
     return (t.device if isinstance(t, torch.Tensor) else t).type
+
+
+# ---- batch-invariant dense ops (Triton in invariant.py, torch in invariant_ref.py) -------------
+# Chosen per call: the mode can change between engines, and a model also runs on the CPU.
+INVARIANT_DTYPES = (*HALF, torch.float32)  # float32: the Router's gate; real fp32, not tf32
+
+
+@functools.cache
+def _note(op: str, choice: str) -> None:
+    log.info("%s backend: %s", op, choice)
+
+
+@functools.cache
+def _invariant_kernels():
+    """The Triton module, or None when it does not import (logged once)."""
+    try:
+        from ddserve.kernels import invariant
+
+        return invariant
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        log.warning("triton batch-invariant kernels unavailable (%s); using torch", e)
+        return None
+
+
+def _invariant_for(op: str, x: torch.Tensor):
+    """The invariant kernels when the mode is on, x is on CUDA in a supported dtype; else None."""
+    use = _batch_invariant and x.device.type == "cuda" and x.dtype in INVARIANT_DTYPES
+    kernels = _invariant_kernels() if use else None
+    _note(op, f"triton batch-invariant ({x.dtype})" if kernels else f"torch ({x.device.type})")
+    return kernels
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics)."""
+    from ddserve.kernels.invariant_ref import linear_ref
+
+    kernels = _invariant_for("linear", x)
+    return kernels.linear(x, w) if kernels else linear_ref(x, w)
+
+
+def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul x [T, H, K] @ w [H, K, N] -> [T, H, N] (MLA's absorbed einsums)."""
+    from ddserve.kernels.invariant_ref import bmm_heads_ref
+
+    kernels = _invariant_for("bmm_heads", x)
+    return kernels.bmm_heads(x, w) if kernels else bmm_heads_ref(x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (`invariant_ref.rms_norm_ref`'s order of operations)."""
+    from ddserve.kernels.invariant_ref import rms_norm_ref
+
+    kernels = _invariant_for("rms_norm", x)
+    return kernels.rms_norm(x, weight, eps) if kernels else rms_norm_ref(x, weight, eps)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, keepdim: a fixed pairwise order in batch-invariant mode (any
+    device), torch's sum otherwise."""
+    from ddserve.kernels.invariant_ref import fixed_order_sum
+
+    return fixed_order_sum(x) if _batch_invariant else x.sum(dim=-1, keepdim=True)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddserve.engine.comm import Communicator
+from ddserve.kernels import backend
 
 
 def shard_size(n: int, world_size: int, what: str) -> int:
@@ -26,7 +27,8 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parame
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) in fp32, cast back, then scaled (HF's order of operations)."""
+    """x / rms(x) in fp32, cast back, then scaled (HF's order of operations; `backend.rms_norm`
+    runs it batch-invariantly when that mode is on)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
         super().__init__()
@@ -34,9 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = empty_param((dim,), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return backend.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -47,7 +47,7 @@ class Linear(nn.Module):
         self.weight = empty_param((out_features, in_features), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return backend.linear(x, self.weight)
 
 
 class ColumnParallelLinear(Linear):
@@ -71,7 +71,7 @@ class RowParallelLinear(Linear):
         self.comm, self.reduce = comm, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = backend.linear(x, self.weight)
         return self.comm.all_reduce(y) if self.reduce else y
 
 
@@ -105,5 +105,5 @@ class ParallelLMHead(nn.Module):
         self.weight = empty_param((num_local, dim), dtype, device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
-        logits = F.linear(h, self.weight).float()  # [N, V / tp]
+        logits = backend.linear(h, self.weight).float()  # [N, V / tp]
         return self.comm.all_gather(logits, dim=-1)

@@ -4,7 +4,8 @@ Per token and layer the cache holds only [c_kv (kv_lora_rank) | k_rope (qk_rope_
 kv_b_proj's rows per head are [W_UK (qk_nope rows) ; W_UV (v_head rows)], each [., kv_lora_rank].
 
 - absorbed (decode / verify / any chunk): q_latent = q_nope W_UK, attention in latent space by
-  `backend.tree_attention`, then W_UV after attention.
+  `backend.tree_attention`, then W_UV after attention; the per-head matmuls are
+  `backend.bmm_heads` (batch-invariant when that mode is on; every decode/verify op must be).
 - expanded (prefill): keys and values re-expanded from the cached latents with kv_b_proj, as HF
   does. Both forms write the new tokens' latents first and then read every key from the cache.
 """
@@ -80,10 +81,10 @@ class MLA(nn.Module):
         kv_cache[meta.block_slots] = latent.to(kv_cache.dtype)
         w_uk, w_uv = self._w_uk_uv()
         if absorbed:
-            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+            q_lat = backend.bmm_heads(q_nope, w_uk)  # [T, H, R]
             attend = backend.tree_attention(backend.device_type(x))
             o_lat = attend(q_lat, q_pe.contiguous(), kv_cache, meta, self.scale)  # [T, H, R]
-            out = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)  # [T, H, v]
+            out = backend.bmm_heads(o_lat.to(w_uv.dtype), w_uv.transpose(1, 2))  # [T, H, v]
         else:
             out = expanded_attention(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, self.scale)
         return self.o_proj(out.flatten(1))

@@ -52,18 +52,19 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32."""
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        scores = backend.linear(x.float(), self.weight).sigmoid()  # [T, E] (fp32 gate)
         choice = scores + self.e_score_correction_bias.unsqueeze(0)  # [T, E]
         if self.topk_group < self.n_group:
             grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            top2 = grouped.topk(2, dim=-1).values  # [T, G, 2]
+            group_scores = top2[..., 0] + top2[..., 1]  # [T, G] (a + b: no reduction kernel)
             best = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
         ids = choice.topk(self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, ids)  # [T, k]
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (backend.row_sum(weights) + 1e-20)  # fixed order if invariant
         return ids, weights * self.scaling
 
 

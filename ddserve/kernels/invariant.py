@@ -1,0 +1,157 @@
+"""Batch-invariant dense ops in Triton: a row's result does not depend on how many rows there are.
+
+cuBLAS and torch's reductions choose tile shapes, split-K and reduction strategies from the row
+count M, so a token's row computed alone (autoregressive decode) and inside a DDTree verify
+forward of budget+1 rows per stream can differ in the last bits. These kernels fix everything
+that decides the arithmetic of a row independently of M:
+
+- matmuls (`linear`, `bmm_heads`): one kernel, fixed BLOCK_M/N/K, num_warps and num_stages
+  chosen from (N, K, dtype) only, never from M; no split-K; each output element is one fp32
+  accumulator walking K in tiles in order; output rounded once to x.dtype. fp32 inputs (the
+  Router) use input_precision="ieee", i.e. real fp32 FMA, not tf32. M and the row stride are
+  `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M.
+- `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
+
+References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# One launch configuration per (N, K, dtype) -- never per M.
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+@triton.jit(do_not_specialize=["M", "sxm", "sym"])
+def _mm_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr,
+    sxm, sxh, sxk, swh, swk, swn, sym, syh, syn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """y[m, h, n] = sum_k x[m, h, k] * w[h, k, n]; program (m tile, n tile, head). K is a
+    constexpr (fixed per weight; a runtime loop bound does not run in the Triton interpreter)."""
+    pid_m, pid_n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + h.to(tl.int64) * sxh + rm.to(tl.int64)[:, None] * sxm  # [BM, 1]
+    w_cols = w_ptr + h.to(tl.int64) * swh + rn.to(tl.int64)[None, :] * swn  # [1, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk  # [BK]
+        k_ok = kk < K
+        a = tl.load(x_rows + kk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + kk[:, None] * swk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")  # [BM, BN] fp32 FMA
+        elif INTERPRET:  # the CPU interpreter's bf16 dot is wrong; bf16 products are exact in fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)  # [BM, BN] 16-bit MMA, fp32 accumulate
+    y_ptrs = y_ptr + h.to(tl.int64) * syh + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def mm_config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) from the weight's shape and dtype only (M must not enter).
+
+    Decode is memory-bound: the weight is streamed once per m tile, so BLOCK_N shrinks for
+    narrow weights to keep enough programs in flight."""
+    if dtype == torch.float32:
+        return 32, 32 if n > 1024 else 16, 32
+    block_n = 16 if n <= 1024 else 32 if n <= 8192 else 64
+    return 32, block_n, 128 if k >= 128 else 64
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, ys, heads: int) -> None:
+    """y [M, (H,) N] = x [M, (H,) K] @ w seen as [H, K, N] through the strides ws."""
+    m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
+    bm, bn, bk = mm_config(n, k, x.dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads)
+    _mm_kernel[grid](
+        x, w, y, m, n, k, *xs, *ws, *ys,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32, INTERPRET=_interpreting(),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dtype != w.dtype:
+        raise TypeError(f"x is {x.dtype} but the weight is {w.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"unsupported dtype {x.dtype}")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in x.dtype, each row independent of the row count."""
+    _check(x, w)
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    x2 = x.reshape(-1, k)  # [M, K]
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)  # [M, N]
+    if x2.shape[0]:
+        # w[n, k] seen as [1, K, N]: stride along k is w.stride(1), along n w.stride(0)
+        xs = (x2.stride(0), 0, x2.stride(1))
+        ws = (0, w.stride(1), w.stride(0))
+        _launch(x2, w, y, xs, ws, (y.stride(0), 0, y.stride(1)), 1)
+    return y.view(*x.shape[:-1], n)
+
+
+def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, H, K], w [H, K, N] (any strides, e.g. a transposed view) -> [T, H, N] in x.dtype."""
+    _check(x, w)
+    t, h, k = x.shape
+    if w.shape[0] != h or w.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} do not match")
+    n = w.shape[2]
+    y = torch.empty(t, h, n, dtype=x.dtype, device=x.device)  # [T, H, N]
+    if t:
+        _launch(x, w, y, x.stride(), w.stride(), y.stride(), h)
+    return y
+
+
+@triton.jit(do_not_specialize=["sx", "sy"])
+def _rms_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    ok = cols < D
+    x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
+    mean_sq = tl.sum(x * x, axis=0) / D
+    normed = (x * (1.0 / tl.sqrt_rn(mean_sq + eps))).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (w * normed.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * sy + cols, y, mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., D] (rows may be strided): x.float() * rsqrt(mean(x^2)
+    + eps), cast to x.dtype, times weight, rounded to x.dtype; one program per row."""
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not match the last dim {d}")
+    x2 = x.reshape(-1, d) if x.dim() != 2 else x  # [M, D]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [M, D]
+    if x2.shape[0]:
+        block = triton.next_power_of_2(d)
+        warps = 4 if block <= 4096 else 8
+        _rms_kernel[(x2.shape[0],)](
+            x2, weight, y, d, x2.stride(0), y.stride(0), eps, BLOCK=block, num_warps=warps
+        )
+    return y.view(x.shape)

@@ -1,0 +1,43 @@
+"""Plain-torch references (and CPU / float fallbacks) of the batch-invariant dense ops.
+
+These are the ops `invariant.py` implements in Triton with a fixed reduction order per row; here
+they are ordinary torch calls, so they are only as batch-invariant as torch's kernels are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x.dtype."""
+    return F.linear(x, w)
+
+
+def bmm_heads_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul: x [T, H, K], w [H, K, N] (any strides) -> [T, H, N]."""
+    return torch.einsum("thk,hkn->thn", x, w)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in fp32, cast back to x.dtype, then times weight (HF's order of operations)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim as a pairwise tree of elementwise adds, keepdim.
+
+    The order (pad to a power of two with zeros, then add the halves) depends only on the size
+    of the last dim, never on the number of rows, so every row gets the same bits alone or in a
+    batch; log2(n) elementwise launches."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))  # [..., width]
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x  # [..., 1]

@@ -1,0 +1,171 @@
+"""Batch-invariant dense ops (ddserve/kernels/invariant.py) in the Triton interpreter, on the CPU.
+
+The kernels must match float64 / torch references, and a row's result must be bitwise the same
+whether it is computed alone or inside a batch of M rows. The kernel checks run in one subprocess
+with TRITON_INTERPRET=1 (it must be set before triton is imported): that process runs this file
+as a script, calls every `check_*` function and prints one JSON line of results. Bitwise claims
+on the interpreter hold for numpy's matmul; tests/gpu/test_invariant_gpu.py repeats them for
+tensor-core math.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddserve.kernels import backend
+from ddserve.kernels.invariant_ref import bmm_heads_ref, fixed_order_sum, rms_norm_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
+
+
+def rand(*shape, dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def check_linear_matches_float64(inv, dtype: torch.dtype) -> None:
+    x, w = rand(37, 70, dtype=dtype, seed=0), rand(50, 70, dtype=dtype, seed=1)
+    expected = x.double() @ w.double().T  # [37, 50]
+    got = inv.linear(x, w)
+    assert got.dtype == dtype and got.shape == (37, 50)
+    torch.testing.assert_close(got.double(), expected, **tol(dtype))
+
+
+def check_linear_row_alone_equals_row_in_batch(inv, dtype: torch.dtype) -> None:
+    x, w = rand(70, 150, dtype=dtype, seed=2), rand(40, 150, dtype=dtype, seed=3)
+    full = inv.linear(x, w)  # [70, 40], rows span three m tiles
+    for i in (0, 1, 31, 32, 69):
+        assert torch.equal(inv.linear(x[i : i + 1], w)[0], full[i]), f"row {i}"
+    assert torch.equal(inv.linear(x[5:38], w), full[5:38])
+
+
+def check_linear_accepts_leading_dims_and_empty(inv) -> None:
+    x, w = rand(2, 3, 24, dtype=torch.float32, seed=4), rand(17, 24, dtype=torch.float32, seed=5)
+    torch.testing.assert_close(inv.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert inv.linear(x[:0, 0], w).shape == (0, 17)
+
+
+def check_bmm_heads_matches_einsum_and_is_row_invariant(inv, dtype, transposed: bool) -> None:
+    t, h, k, n = 21, 3, 40, 24
+    x = rand(t, h, k, dtype=dtype, seed=6)
+    if transposed:  # MLA's W_UV: [H, v, R] used as [H, R, v]
+        w = rand(h, n, k, dtype=dtype, seed=7).transpose(1, 2)
+    else:  # MLA's W_UK: a slice of kv_b_proj viewed [H, nope + v, R]
+        w = rand(h, k + 5, n, dtype=dtype, seed=7)[:, :k]
+    got = inv.bmm_heads(x, w)  # [T, H, N]
+    expected = torch.einsum("thk,hkn->thn", x.double(), w.double())
+    torch.testing.assert_close(got.double(), expected, **tol(dtype))
+    for i in (0, 20):
+        assert torch.equal(inv.bmm_heads(x[i : i + 1], w)[0], got[i])
+
+
+def check_rms_norm_matches_reference(inv, dtype: torch.dtype) -> None:
+    x, w = rand(9, 100, dtype=dtype, seed=8) * 3, rand(100, dtype=dtype, seed=9)
+    got = inv.rms_norm(x, w, 1e-6)
+    # reference in float64 with the same casts (normalised value rounded to dtype, then scaled)
+    xd = x.double()
+    normed = (xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).to(dtype)
+    expected = w.double() * normed.double()
+    torch.testing.assert_close(got.double(), expected, **tol(dtype))
+    torch.testing.assert_close(got, rms_norm_ref(x, w, 1e-6), **tol(dtype))
+
+
+def check_rms_norm_strided_rows_and_batch_invariance(inv) -> None:
+    base = rand(12, 80, dtype=torch.bfloat16, seed=10)
+    x, w = base[:, :64], rand(64, dtype=torch.bfloat16, seed=11)  # MLA's c_kv slice: strided
+    got = inv.rms_norm(x, w, 1e-6)
+    assert torch.equal(got, inv.rms_norm(x.contiguous(), w, 1e-6))
+    for i in (0, 11):
+        assert torch.equal(inv.rms_norm(x[i : i + 1], w, 1e-6)[0], got[i])
+
+
+CASES = (
+    [(f"linear_matches_float64[{d}]", check_linear_matches_float64, (d,)) for d in DTYPES]
+    + [(f"linear_row_invariant[{d}]", check_linear_row_alone_equals_row_in_batch, (d,))
+       for d in DTYPES]
+    + [("linear_leading_dims_and_empty", check_linear_accepts_leading_dims_and_empty, ())]
+    + [(f"bmm_heads[{d},transposed={t}]", check_bmm_heads_matches_einsum_and_is_row_invariant,
+        (d, t)) for d in (torch.bfloat16, torch.float32) for t in (False, True)]
+    + [(f"rms_norm_matches_reference[{d}]", check_rms_norm_matches_reference, (d,))
+       for d in DTYPES]
+    + [("rms_norm_strided_and_row_invariant", check_rms_norm_strided_rows_and_batch_invariance, ())]
+)  # fmt: skip
+
+
+def _run_checks() -> dict[str, str]:
+    """In the interpreter subprocess: every case -> "ok" or its failure text."""
+    from ddserve.kernels import invariant
+
+    out = {}
+    for name, fn, args in CASES:
+        try:
+            fn(invariant, *args)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case to the parent process
+            out[name] = traceback.format_exc(limit=3)
+    return out
+
+
+@functools.cache
+def _results() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode:
+        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
+def test_kernel_in_interpreter(name: str) -> None:
+    pytest.importorskip("triton")
+    result = _results()[name]
+    assert result == "ok", result
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 13])
+def test_fixed_order_sum(n: int) -> None:
+    x = rand(6, n, dtype=torch.float32, seed=n)
+    got = fixed_order_sum(x)  # [6, 1]
+    torch.testing.assert_close(got.double(), x.double().sum(-1, keepdim=True), atol=1e-5, rtol=0)
+    for i in range(6):
+        assert torch.equal(fixed_order_sum(x[i : i + 1]), got[i : i + 1])
+
+
+def test_backend_uses_torch_on_cpu_even_when_invariant() -> None:
+    was = backend.batch_invariant()
+    backend.set_batch_invariant(True)
+    try:
+        x, w = (
+            rand(5, 32, dtype=torch.bfloat16, seed=12),
+            rand(8, 32, dtype=torch.bfloat16, seed=13),
+        )
+        assert torch.equal(backend.linear(x, w), F.linear(x, w))
+        xh, wh = x.view(5, 2, 16), w.view(2, 16, 8)
+        assert torch.equal(backend.bmm_heads(xh, wh), bmm_heads_ref(xh, wh))
+        nw = rand(32, dtype=torch.bfloat16, seed=14)
+        assert torch.equal(backend.rms_norm(x, nw, 1e-6), rms_norm_ref(x, nw, 1e-6))
+        # the Router's k-sum takes the fixed order in this mode on every device
+        s = rand(4, 5, dtype=torch.float32, seed=15)
+        assert torch.equal(backend.row_sum(s), fixed_order_sum(s))
+    finally:
+        backend.set_batch_invariant(was)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_checks()))
