@@ -26,7 +26,7 @@ def random_meta(
     need = sum(prefix_lens) + sum(q_lens)
     assert need <= num_slots, (need, num_slots)
     perm = torch.randperm(num_slots, generator=gen)
-    prefix_slots = torch.zeros(nb, p_max, dtype=torch.int64)
+    prefix_slots = torch.zeros(nb, max(p_max, 1), dtype=torch.int64)
     mask = torch.zeros(nb, q_max, q_max, dtype=torch.bool)
     used = 0
     for b, (pl, ql) in enumerate(zip(prefix_lens, q_lens, strict=True)):
@@ -43,3 +43,46 @@ def random_meta(
         block_slots=block_slots,
         block_mask=mask,
     )
+
+
+def ar_meta(meta: TreeAttnMeta) -> TreeAttnMeta:
+    """The AR decode twin of every row: one q_len-1 block per row of `meta` (same row order), whose
+    prefix is the row's prefix slots then the slots of its visible block tokens before itself (its
+    path root..parent), and whose one block token is the row's own slot. Same keys, same order."""
+    prefixes, own = [], []
+    rows = zip(meta.q_starts.tolist(), meta.q_lens.tolist(), meta.prefix_lens.tolist(), strict=True)
+    for b, (q0, ql, pl) in enumerate(rows):
+        pre = meta.prefix_slots[b, :pl].tolist()
+        for j in range(ql):
+            path = [int(meta.block_slots[q0 + i]) for i in range(j) if meta.block_mask[b, j, i]]
+            prefixes.append(pre + path)
+            own.append(int(meta.block_slots[q0 + j]))
+    n, p_max = len(own), max((len(p) for p in prefixes), default=0)
+    prefix_slots = torch.zeros(n, max(p_max, 1), dtype=torch.int64)
+    for i, p in enumerate(prefixes):
+        prefix_slots[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+    return TreeAttnMeta(
+        q_starts=torch.arange(n, dtype=torch.int64),
+        q_lens=torch.ones(n, dtype=torch.int64),
+        prefix_slots=prefix_slots,
+        prefix_lens=torch.tensor([len(p) for p in prefixes], dtype=torch.int64),
+        block_slots=torch.tensor(own, dtype=torch.int64),
+        block_mask=torch.ones(n, 1, 1, dtype=torch.bool),
+    )
+
+
+def select_blocks(meta: TreeAttnMeta, blocks: list[int]) -> tuple[TreeAttnMeta, torch.Tensor]:
+    """Meta of the chosen blocks alone (tensors trimmed to their sizes) and the indices of their
+    rows in the original row order, to slice the queries with."""
+    q_lens = meta.q_lens[blocks]
+    rows = torch.cat([torch.arange(int(meta.q_starts[b]), int(meta.q_starts[b] + meta.q_lens[b]))
+                      for b in blocks])  # fmt: skip
+    p_max, q_max = max(1, int(meta.prefix_lens[blocks].max())), int(q_lens.max())
+    return TreeAttnMeta(
+        q_starts=torch.cumsum(q_lens, 0) - q_lens,
+        q_lens=q_lens,
+        prefix_slots=meta.prefix_slots[blocks, :p_max].clone(),
+        prefix_lens=meta.prefix_lens[blocks],
+        block_slots=meta.block_slots[rows],
+        block_mask=meta.block_mask[blocks, :q_max, :q_max].clone(),
+    ), rows

@@ -1,0 +1,144 @@
+"""Triton tree attention on the CPU (Triton interpreter, tiny shapes): matches the reference, and
+the invariant mode is AR-consistent and batch-invariant bit for bit.
+
+The kernels run in one subprocess with TRITON_INTERPRET=1 (it must be set before triton is
+imported); that process runs this file as a script and prints one JSON line of check results.
+Two interpreter defects of triton 3.6 with numpy 2 are patched there (test-side only): loop bounds
+loaded from memory are 1-element arrays that `int()` refuses, and `tl.dot` on bf16 multiplies the
+raw uint16 bits. Bitwise claims on the interpreter hold for numpy's matmul; the GPU test repeats
+them for tensor-core math.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+H, R, P, SCALE = 4, 64, 16, 0.144680
+SMALL = dict(BM=16, BN=16, SPLIT=48)  # tiles and splits small enough to cross them cheaply
+
+
+def _patch_interpreter() -> None:
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    patch_tensor = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def as_f32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    create_dot = ti.InterpreterBuilder.create_dot
+    ti._patch_lang_tensor = patched
+    ti.InterpreterBuilder.create_dot = lambda s, a, b, d, *x: create_dot(
+        s, as_f32(a), as_f32(b), d, *x
+    )
+
+
+def _inputs(meta, heads, slots, seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    t = int(meta.q_lens.sum())
+    q = torch.randn(t, heads, R, generator=gen).to(torch.bfloat16)  # [T, H, R]
+    qp = torch.randn(t, heads, P, generator=gen).to(torch.bfloat16)  # [T, H, P]
+    kv = torch.randn(slots, R + P, generator=gen).to(torch.bfloat16)  # [S, R+P]
+    return q, qp, kv
+
+
+def _run_checks() -> dict:
+    from _tree_inputs import ar_meta, random_meta, select_blocks
+
+    from ddserve.kernels.tree_attn import tree_mla_attention_ref
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    res = {}
+
+    def attn(q, qp, kv, meta, **kw):
+        return tree_mla_attention(q, qp, kv, meta, SCALE, **kw)
+
+    # 1) both modes vs the fp32 reference, mixed batch (empty prefix, decode row, trees)
+    pls, qls = [0, 5, 40, 100], [9, 1, 17, 30]
+    slots = sum(pls) + sum(qls) + 7
+    meta = random_meta(pls, qls, slots, seed=1)
+    q, qp, kv = _inputs(meta, H, slots, 1)
+    ref = tree_mla_attention_ref(q.float(), qp.float(), kv.float(), meta, SCALE)
+    for name, kw in [("default", {}), ("invariant", dict(invariant=True, config=SMALL))]:
+        out = attn(q, qp, kv, meta, **kw).float()
+        res[f"ref_{name}"] = ((out - ref).norm() / ref.norm()).item()
+
+    # 2) AR consistency: each tree row == its AR decode twin, bit for bit
+    cases = [
+        (2, [0, 3, 15], [12, 20, 5]),
+        (4, [16, 30, 47], [33, 9, 17]),
+        (8, [70, 95], [25, 1]),
+        (4, [1100], [20]),  # default config: crosses a 64-key tile and the 1024-key split
+    ]
+    for i, (heads, pls, qls) in enumerate(cases):
+        cfg = None if i == 3 else SMALL
+        slots = sum(pls) + sum(qls) + 3
+        meta = random_meta(pls, qls, slots, seed=10 + i)
+        q, qp, kv = _inputs(meta, heads, slots, 10 + i)
+        tree = attn(q, qp, kv, meta, invariant=True, config=cfg)
+        ar = attn(q, qp, kv, ar_meta(meta), invariant=True, config=cfg)
+        bad = (tree != ar).any(-1).any(-1)  # [T] rows that differ
+        res[f"ar_{heads}h_{pls}"] = dict(
+            bad_rows=int(bad.sum()), max_diff=(tree - ar).abs().max().item()
+        )
+
+    # 3) batch invariance: a stream's rows alone, in the batch, and in another batch order
+    pls, qls = [20, 0, 61, 33], [17, 6, 1, 29]
+    slots = sum(pls) + sum(qls) + 3
+    meta = random_meta(pls, qls, slots, seed=30)
+    q, qp, kv = _inputs(meta, H, slots, 30)
+    full = attn(q, qp, kv, meta, invariant=True, config=SMALL)
+    bad = 0
+    for blocks in ([0], [1], [2], [3], [3, 0], [2, 1, 0]):
+        sub, rows = select_blocks(meta, blocks)
+        part = attn(q[rows], qp[rows], kv, sub, invariant=True, config=SMALL)
+        bad += int((part != full[rows]).any(-1).any(-1).sum())
+    res["batch_bad_rows"] = bad
+    return res
+
+
+@functools.cache
+def _results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'gpu'}"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("mode", ["default", "invariant"])
+def test_matches_reference(mode):
+    assert _results()[f"ref_{mode}"] < 1e-2
+
+
+def test_tree_rows_equal_ar_rows_bitwise():
+    ar = {k: v for k, v in _results().items() if k.startswith("ar_")}
+    assert len(ar) == 4 and all(v["bad_rows"] == 0 for v in ar.values()), ar
+
+
+def test_rows_do_not_depend_on_the_batch():
+    assert _results()["batch_bad_rows"] == 0
+
+
+if __name__ == "__main__":
+    _patch_interpreter()
+    print(json.dumps(_run_checks()))
