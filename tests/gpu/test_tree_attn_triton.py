@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tree_inputs import random_meta
+from _tree_inputs import ar_meta, random_meta, select_blocks
 
 from ddserve.kernels.tree_attn import causal_mask, tree_mla_attention_ref
 
@@ -14,17 +14,24 @@ TOL = 1e-2  # bf16 inputs, bf16 P @ V operands, fp32 softmax and accumulation
 SCALE = 0.144680  # Kimi K2's softmax scale
 
 
-def check(prefix_lens, q_lens, heads=8, seed=0, config=None, meta=None) -> None:
-    from ddserve.kernels.tree_attn_triton import tree_mla_attention
-
+def inputs(prefix_lens, q_lens, heads=8, seed=0, meta=None):
+    """(q_latent, q_rope, kv, meta) on CUDA, bf16, K2.x widths."""
     gen = torch.Generator().manual_seed(seed)
     slots = sum(prefix_lens) + sum(q_lens) + 13
-    meta = (meta or random_meta(prefix_lens, q_lens, slots, seed)).to("cuda")
+    meta = meta or random_meta(prefix_lens, q_lens, slots, seed)
     t = sum(q_lens)
     q_lat = torch.randn(t, heads, 512, generator=gen).to(torch.bfloat16).cuda()
     q_pe = torch.randn(t, heads, 64, generator=gen).to(torch.bfloat16).cuda()
     kv = torch.randn(slots, 576, generator=gen).to(torch.bfloat16).cuda()
-    out = tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config)
+    return q_lat, q_pe, kv, meta
+
+
+def check(prefix_lens, q_lens, heads=8, seed=0, config=None, meta=None, invariant=False) -> None:
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    q_lat, q_pe, kv, meta = inputs(prefix_lens, q_lens, heads, seed, meta)
+    meta = meta.to("cuda")
+    out = tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config, invariant=invariant)
     ref = tree_mla_attention_ref(q_lat, q_pe, kv, meta, SCALE)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
@@ -33,17 +40,20 @@ def check(prefix_lens, q_lens, heads=8, seed=0, config=None, meta=None) -> None:
 
 
 @pytest.mark.parametrize("prefix", [[0], [1], [777], [4100], [0, 1, 2000, 33]])
-def test_decode_q_len_1(prefix):
-    check(prefix, [1] * len(prefix), seed=len(prefix))
+@pytest.mark.parametrize("invariant", [False, True])
+def test_decode_q_len_1(prefix, invariant):
+    check(prefix, [1] * len(prefix), seed=len(prefix), invariant=invariant)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("q_len", [1, 2, 9, 10, 17, 33, 64, 65, 100, 128, 129])
-def test_tree_sizes(q_len):
-    check([300], [q_len], seed=q_len)
+def test_tree_sizes(q_len, invariant):
+    check([300], [q_len], seed=q_len, invariant=invariant)
 
 
-def test_mixed_batch_with_empty_prefix():
-    check([0, 1500, 5, 9000, 0], [17, 129, 1, 65, 33], seed=3)
+@pytest.mark.parametrize("invariant", [False, True])
+def test_mixed_batch_with_empty_prefix(invariant):
+    check([0, 1500, 5, 9000, 0], [17, 129, 1, 65, 33], seed=3, invariant=invariant)
 
 
 @pytest.mark.parametrize(
@@ -54,15 +64,79 @@ def test_split_and_tile_configs(config):
     check([2500, 40], [65, 9], seed=4, config=config)
 
 
-def test_causal_prefill_chunk():
+@pytest.mark.parametrize("invariant", [False, True])
+def test_causal_prefill_chunk(invariant):
     meta = random_meta([700], [100], 813, seed=5)
     meta = type(meta)(**{**meta.__dict__, "block_mask": causal_mask(100)[None]})
-    check([700], [100], seed=5, meta=meta)
+    check([700], [100], seed=5, meta=meta, invariant=invariant)
 
 
-def test_all_64_heads_unsplit():
-    check([1000, 3], [17, 5], heads=64, seed=6)
+@pytest.mark.parametrize("invariant", [False, True])
+def test_all_64_heads_unsplit(invariant):
+    check([1000, 3], [17, 5], heads=64, seed=6, invariant=invariant)
 
 
-def test_long_prefix_32k():
-    check([32768, 8192], [65, 1], seed=7)
+@pytest.mark.parametrize("invariant", [False, True])
+def test_long_prefix_32k(invariant):
+    check([32768, 8192], [65, 1], seed=7, invariant=invariant)
+
+
+# ---- invariant mode: bit-for-bit AR consistency and batch invariance (tensor-core math) -------
+# Prefixes and trees around the 64-key tiles and 1024-key splits of INVARIANT_CONFIG.
+AR_CASES = [
+    ([0], [1]),
+    ([0], [65]),
+    ([63], [17]),
+    ([64], [33]),
+    ([1000], [129]),
+    ([1023], [9]),
+    ([1024], [2]),
+    ([2047], [65]),
+    ([4100], [64]),
+    ([9000], [129]),
+    ([0, 1500, 5, 9000, 0], [17, 129, 1, 65, 33]),
+]
+
+
+def _diff_report(a: torch.Tensor, b: torch.Tensor) -> dict:
+    bad = (a != b).any(-1).any(-1)  # [T]
+    return dict(bad_rows=int(bad.sum()), rows=a.shape[0], max_diff=(a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", AR_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_invariant_tree_rows_equal_ar_rows(case, causal):
+    """Each verify row == the row of the same token decoded autoregressively (q_len 1 with its
+    path in the prefix), bit for bit; the AR rows batched together, as the engine would."""
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    pls, qls = case
+    q_lat, q_pe, kv, meta = inputs(pls, qls, seed=sum(pls) + sum(qls))
+    if causal:
+        q_max = meta.block_mask.shape[1]
+        mask = torch.stack([causal_mask(q_max) for _ in qls])  # prefill chunks
+        meta = type(meta)(**{**meta.__dict__, "block_mask": mask})
+    tree = tree_mla_attention(q_lat, q_pe, kv, meta.to("cuda"), SCALE, invariant=True)
+    ar = tree_mla_attention(q_lat, q_pe, kv, ar_meta(meta).to("cuda"), SCALE, invariant=True)
+    rep = _diff_report(tree, ar)
+    print(case, "causal" if causal else "tree", rep)
+    assert rep["bad_rows"] == 0, rep
+
+
+def test_invariant_rows_do_not_depend_on_the_batch():
+    """A stream's rows alone == in the batch == in other batches (other shapes, orders)."""
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    pls, qls = [0, 1500, 5, 9000, 0, 63], [17, 129, 1, 65, 33, 1]
+    q_lat, q_pe, kv, meta = inputs(pls, qls, seed=11)
+    full = tree_mla_attention(q_lat, q_pe, kv, meta.to("cuda"), SCALE, invariant=True)
+    reps = {}
+    for blocks in ([0], [1], [2], [3], [4], [5], [3, 0], [5, 2, 1], [4, 3, 2, 1, 0]):
+        sub, rows = select_blocks(meta, blocks)
+        rows = rows.cuda()
+        part = tree_mla_attention(
+            q_lat[rows], q_pe[rows], kv, sub.to("cuda"), SCALE, invariant=True
+        )
+        reps[str(blocks)] = _diff_report(part, full[rows])
+    print(reps)
+    assert all(r["bad_rows"] == 0 for r in reps.values()), reps
