@@ -1,5 +1,10 @@
 """Tree-verify MLA attention vs its byte and FLOP floors, and vs torch SDPA with an explicit mask.
 
+Both kernel modes are timed: the default (tuned tiling) and `invariant=True` (canonical
+position-order tiling, AR-consistent and batch-invariant). Every case also reports the relative
+L2 error of each kernel mode AND of the SDPA path against the fp32 reference
+(`tree_mla_attention_ref` on fp32 copies of the inputs), so a disagreement says which side is off.
+
 Per rank at tp=8: 8 heads, latent 512 + rope 64, bf16. Streams x budgets x prefixes; each stream
 verifies budget + 1 rows (root + tree) over a prefix of the given length, random tree shapes.
 Floors: bytes = each stream's keys once (576 bf16 each) + queries + outputs + slot ids + mask;
@@ -26,7 +31,7 @@ from _util import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from _tree_inputs import random_meta  # noqa: E402
 
-from ddserve.kernels.tree_attn import TreeAttnMeta  # noqa: E402
+from ddserve.kernels.tree_attn import TreeAttnMeta, tree_mla_attention_ref  # noqa: E402
 from ddserve.kernels.tree_attn_triton import tree_mla_attention  # noqa: E402
 
 SCALE = 0.144680
@@ -38,6 +43,7 @@ VARIANTS = [
     {"BM": 32, "BN": 64},
     {"BM": 16, "num_warps": 4, "num_stages": 3},
 ]
+INV_VARIANTS = [{"SPLIT": 512}, {"SPLIT": 2048}, {"num_stages": 3}, {"num_warps": 4}]
 
 
 def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:
@@ -75,28 +81,44 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev) -> dict:
     row["floor_ms"] = floor_ms
     row["bound"] = "bytes" if nbytes / bw / 1e6 >= flops / peak / 1e9 else "flops"
 
-    def triton_path(config=None):
-        return tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config)
+    def triton_path(config=None, invariant=False):
+        return tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config, invariant=invariant)
 
+    ref32 = tree_mla_attention_ref(q_lat.float(), q_pe.float(), kv.float(), meta, SCALE)
+    ref32 = ref32.view(nb, ql, h, r)  # [B, Q, H, R] fp32
     out = triton_path()
     row["ms"] = time_ms(triton_path)
     row["floor_over_time"] = floor_ms / row["ms"]
+    row["err_vs_ref32"] = rel_err(out.view(nb, ql, h, r), ref32)
+    try:
+        out_inv = triton_path(invariant=True)
+        row["inv_ms"] = time_ms(lambda: triton_path(invariant=True))
+        row["inv_over_default"] = row["inv_ms"] / row["ms"]
+        row["inv_err_vs_ref32"] = rel_err(out_inv.view(nb, ql, h, r), ref32)
+    except Exception as exc:  # noqa: BLE001 - report and go on with the other measurements
+        row["inv_error"] = f"{exc!r}"[:300]
+        row["inv_ms"] = row["inv_over_default"] = row["inv_err_vs_ref32"] = float("nan")
     try:
         ref = sdpa_path(q_lat, q_pe, kv, meta, r)
         row["err_vs_sdpa"] = rel_err(out.view(nb, ql, h, r), ref)
+        row["sdpa_err_vs_ref32"] = rel_err(ref, ref32)
         row["sdpa_ms"] = time_ms(lambda: sdpa_path(q_lat, q_pe, kv, meta, r))
         row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ms"]
     except RuntimeError as e:  # e.g. out of memory for the padded torch path
         row["sdpa_error"] = str(e)[:200]
     if sweep:
-        row["variants"] = []
-        for c in VARIANTS:
-            try:
-                ms = time_ms(lambda c=c: triton_path(c), rep=50)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                ms = float("inf")
-                row.setdefault("variant_errors", []).append(f"{c}: {exc!r}"[:160])
-            row["variants"].append(dict(config=c, ms=ms))
+        for key, variants, inv in (
+            ("variants", VARIANTS, False),
+            ("inv_variants", INV_VARIANTS, True),
+        ):
+            row[key] = []
+            for c in variants:
+                try:
+                    ms = time_ms(lambda c=c, inv=inv: triton_path(c, inv), rep=50)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    ms = float("inf")
+                    row.setdefault("variant_errors", []).append(f"{c}: {exc!r}"[:160])
+                row[key].append(dict(config=c, ms=ms))
         best = min(row["variants"], key=lambda v: v["ms"])
         row["best_config"], row["best_ms"] = best["config"], best["ms"]
     return row
@@ -122,10 +144,14 @@ def main() -> None:
         row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev)
         res["rows"].append(row)
         print(f"B={nb:2d} budget={budget:2d} prefix={pl:5d}: {row['ms'] * 1e3:8.1f} us "
+              f"inv {row['inv_ms'] * 1e3:8.1f} us ({row['inv_over_default']:.2f}x) "
               f"floor {row['floor_ms'] * 1e3:7.1f} us ({row['bound']}, "
               f"{row['floor_over_time']:.2f}) "
               f"best {row.get('best_ms', 0) * 1e3:7.1f} sdpa {row.get('sdpa_ms', 0) * 1e3:8.1f} us "
-              f"err {row.get('err_vs_sdpa', -1):.1e}")  # fmt: skip
+              f"| err vs fp32 ref: kernel {row['err_vs_ref32']:.1e} "
+              f"inv {row['inv_err_vs_ref32']:.1e} "
+              f"sdpa {row.get('sdpa_err_vs_ref32', -1):.1e} (kernel vs sdpa "
+              f"{row.get('err_vs_sdpa', -1):.1e})", flush=True)  # fmt: skip
     write_json(args.out, res)
 
 
