@@ -10,6 +10,12 @@ chunks (chunk bounds come from the device-side prefix length); the last split al
 block's own keys. Partial outputs and log-sum-exps go to fp32 buffers and a second launch merges
 them. NSPLIT, the tile count and the grid come from host-known shapes only (T, B, Q_max, P_max),
 so the launcher never reads device memory: no host sync, and it is CUDA-graph capturable.
+
+`invariant=True` (batch-invariant engine mode) computes every row from its own key sequence in
+position order (prefix slots, then its path root..itself, found from its block-mask row), with
+key tiles and splits at fixed multiples of constants in position space and one fixed compiled
+configuration. A row's arithmetic then depends on nothing but its query and its keys, so a
+verify row equals the AR decode row of the same token bit for bit, whatever else is batched.
 """
 
 from __future__ import annotations
