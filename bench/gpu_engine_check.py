@@ -4,9 +4,12 @@ On the embedded tiny model (INT4 experts) with its random DFlash drafter and wit
 oracle drafter (deep trees), for float32 and bfloat16 compute and several budgets, this records how
 many of the streams' greedy outputs are token-for-token identical to plain AR decoding, and where
 the first difference is when one is not. bf16 matmuls are not batch-invariant, so a near-tie can
-flip a token; float32 should match everywhere. Writes one JSON.
+flip a token; float32 should match everywhere. With --batch-invariant every decode/verify kernel
+computes a row the same way whatever the batch, so bf16 should match everywhere too. Writes one
+JSON (a row per config: identical streams, first differing token of the others).
 
     python bench/gpu_engine_check.py --out results/gpu_engine_check.json
+    python bench/gpu_engine_check.py --batch-invariant --dtypes bfloat16 --out $OUT/x.json
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--drafters", default="dflash,oracle-corrupt-0.3")
     ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="EngineConfig.batch_invariant=True (without it: False, the plain kernels)",
+    )
+    ap.add_argument(
         "--ref",
         default="",
         help="comma list of kernels to force to the torch "
@@ -76,7 +84,9 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     rows = []
     for dtype in args.dtypes.split(","):
-        cfg = EngineConfig(num_slots=8192, budget=max(budgets), dtype=dtype)
+        cfg = EngineConfig(
+            num_slots=8192, budget=max(budgets), dtype=dtype, batch_invariant=args.batch_invariant
+        )
         ref, ar_steps, _ = decode_all(ModelRunner(model, engine_cfg=cfg, device=args.device),
                                    args.max_tokens, False, None)  # fmt: skip
         oracle = {tuple(p): r for p, r in zip(PROMPTS, ref, strict=True)}
@@ -91,7 +101,8 @@ def main() -> None:
                 got, steps, stream_steps = decode_all(runner, args.max_tokens, True, budget)
                 diffs = [first_diff(g, r) for g, r in zip(got, ref, strict=True)]
                 rows.append(dict(
-                    ref_kernels=args.ref, dtype=dtype, drafter=kind, budget=budget,
+                    ref_kernels=args.ref, batch_invariant=args.batch_invariant,
+                    dtype=dtype, drafter=kind, budget=budget,
                     streams=len(PROMPTS),
                     identical=sum(d is None and len(g) == len(r)
                                   for d, g, r in zip(diffs, got, ref, strict=True)),
