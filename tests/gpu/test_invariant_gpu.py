@@ -1,0 +1,145 @@
+"""Batch-invariant dense ops on a GPU at K2.6-like shapes; DDTree == AR in bf16 through the engine.
+
+Op tests: a row's bits must not depend on how many rows share the launch (M = 1..600), and the
+kernels must match float64 within bf16 tolerance. Each test collects every failing M before it
+asserts, so one device run tells the whole story. The engine test needs the attention and MoE
+kernels' invariant modes too; it reports which streams differ and where.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddserve.engine.config import EngineConfig
+from ddserve.engine.drafter import OracleDrafter
+from ddserve.engine.runner import ModelRunner
+from ddserve.kernels import backend
+from ddserve.model.tiny import make_tiny
+from ddserve.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+M_LIST = [*range(1, 41), 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 400, 511, 512, 513, 599]
+MAX_M = 600
+PROMPTS = [list(range(5 + 7 * i, 5 + 7 * i + 3 + 5 * i)) for i in range(8)]
+
+
+def rand(*shape, dtype=torch.bfloat16, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+
+def differing_m(fn, x: torch.Tensor, *args) -> list[int]:
+    """M values whose rows differ from the same rows computed in the MAX_M-row launch."""
+    full = fn(x, *args)
+    return [m for m in M_LIST if not torch.equal(fn(x[:m], *args), full[:m])]
+
+
+LINEARS = [  # (name, N, K, dtype) at tp = 1
+    ("q_a_proj", 1536, 7168, torch.bfloat16),
+    ("kv_a_proj", 576, 7168, torch.bfloat16),
+    ("q_b_proj", 12288, 1536, torch.bfloat16),
+    ("o_proj", 7168, 8192, torch.bfloat16),
+    ("dense_down", 7168, 18432, torch.bfloat16),
+    ("lm_head_slice", 32768, 7168, torch.bfloat16),
+    ("fp16", 4096, 7168, torch.float16),
+    ("router_fp32", 384, 7168, torch.float32),
+]
+
+
+@pytest.mark.parametrize("name,n,k,dtype", LINEARS, ids=[c[0] for c in LINEARS])
+def test_linear_rows_do_not_depend_on_m(name: str, n: int, k: int, dtype) -> None:
+    from ddserve.kernels.invariant import linear
+
+    x, w = rand(MAX_M, k, dtype=dtype, seed=1), rand(n, k, dtype=dtype, scale=k**-0.5, seed=2)
+    assert differing_m(linear, x, w) == []
+    expected = x[:64].double() @ w.double().T
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(linear(x[:64], w).double(), expected, **tol)
+
+
+@pytest.mark.parametrize("which", ["q_absorb", "o_absorb"])
+def test_bmm_heads_rows_do_not_depend_on_m(which: str) -> None:
+    from ddserve.kernels.invariant import bmm_heads
+
+    kv_b = rand(64, 256, 512, scale=512**-0.5, seed=3)  # [H, nope + v, R]
+    if which == "q_absorb":
+        x, w = rand(MAX_M, 64, 128, seed=4), kv_b[:, :128]  # W_UK [H, nope, R]
+    else:
+        x, w = rand(MAX_M, 64, 512, seed=4), kv_b[:, 128:].transpose(1, 2)  # W_UV^T [H, R, v]
+    assert differing_m(bmm_heads, x, w) == []
+    expected = torch.einsum("thk,hkn->thn", x[:32].double(), w.double())
+    torch.testing.assert_close(bmm_heads(x[:32], w).double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("d,strided", [(7168, False), (1536, False), (512, True)])
+def test_rms_norm_rows_do_not_depend_on_m(d: int, strided: bool) -> None:
+    from ddserve.kernels.invariant import rms_norm
+    from ddserve.kernels.invariant_ref import rms_norm_ref
+
+    x = rand(MAX_M, d + 64, seed=5)[:, :d] if strided else rand(MAX_M, d, seed=5)
+    w = rand(d, seed=6)
+    assert differing_m(rms_norm, x, w, 1e-6) == []
+    got, ref = rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_backend_picks_triton_only_in_invariant_mode() -> None:
+    from ddserve.kernels.invariant import linear
+
+    x, w = rand(7, 512, seed=7), rand(256, 512, scale=512**-0.5, seed=8)
+    was = backend.batch_invariant()
+    try:
+        backend.set_batch_invariant(True)
+        assert torch.equal(backend.linear(x, w), linear(x, w))
+        backend.set_batch_invariant(False)
+        assert torch.equal(backend.linear(x, w), F.linear(x, w))
+    finally:
+        backend.set_batch_invariant(was)
+
+
+def _decode(runner: ModelRunner, speculative: bool, budget: int | None = None) -> list[list[int]]:
+    out = {i: [] for i in range(len(PROMPTS))}
+    for i, p in enumerate(PROMPTS):
+        runner.add_stream(i, p, SamplingParams(max_tokens=48))
+    for sid, so in runner.prefill().items():
+        out[sid] += so.tokens
+    while runner.streams:
+        sids = list(runner.streams)
+        res = runner.ddtree_step(sids, budget) if speculative else runner.ar_step(sids)
+        for sid, so in res.items():
+            out[sid] += so.tokens
+    return [out[i] for i in range(len(PROMPTS))]
+
+
+def _first_diffs(got: list[list[int]], ref: list[list[int]]) -> dict[int, int]:
+    """stream -> first differing position, for the streams that differ."""
+    diffs = {}
+    for s, (g, r) in enumerate(zip(got, ref, strict=True)):
+        pos = next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b), None)
+        if pos is not None or len(g) != len(r):
+            diffs[s] = pos if pos is not None else min(len(g), len(r))
+    return diffs
+
+
+def test_ddtree_equals_ar_in_bf16_with_batch_invariant_kernels(tmp_path) -> None:
+    model = make_tiny(tmp_path / "tiny", int4=True, seed=0)
+    cfg = EngineConfig(num_slots=8192, budget=32, dtype="bfloat16", batch_invariant=True)
+    ref = _decode(ModelRunner(model, engine_cfg=cfg, device="cuda"), False)
+    table = {tuple(p): r for p, r in zip(PROMPTS, ref, strict=True)}
+    report = {}
+    for budget in (4, 32):
+        for kind in ("dflash", "oracle"):
+            drafter = (
+                model / "drafter"
+                if kind == "dflash"
+                else OracleDrafter(table, 264, depth=7, corrupt=0.3, seed=1)
+            )
+            runner = ModelRunner(model, engine_cfg=cfg, drafter=drafter, device="cuda")
+            got = _decode(runner, True, budget)
+            report[f"{kind}/budget={budget}"] = _first_diffs(got, ref)
+    assert all(not d for d in report.values()), f"stream -> first differing token: {report}"
