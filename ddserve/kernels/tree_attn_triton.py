@@ -143,7 +143,7 @@ def _key_tile(
 def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
     """[BN] block index of the rank-th (0-based) visible block token of one row (0 if none)."""
     idx = tl.zeros([BN], dtype=tl.int32)
-    base = 0
+    base = tl.zeros([], dtype=tl.int32)
     for i0 in range(0, qlen, BN):
         ii = i0 + tl.arange(0, BN)
         v = tl.load(mask_ptr + row_off + ii, mask=ii < qlen, other=0).to(tl.int32)  # [BN]
@@ -154,7 +154,8 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
     return idx
 
 
-@triton.jit
+# One binary for every call: no value specialisation of the shape-dependent integers.
+@triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
     ql_ptr, qr_ptr, kv_ptr, po_ptr, plse_ptr,
     q_starts_ptr, q_lens_ptr, pslots_ptr, plens_ptr, bslots_ptr, mask_ptr,
