@@ -43,7 +43,13 @@ VARIANTS = [
     {"BM": 32, "BN": 64},
     {"BM": 16, "num_warps": 4, "num_stages": 3},
 ]
-INV_VARIANTS = [{"SPLIT": 512}, {"SPLIT": 2048}, {"num_stages": 3}, {"num_warps": 4}]
+INV_VARIANTS = [
+    {"SPLIT": 512},
+    {"SPLIT": 2048},
+    {"BN": 32},
+    {"num_stages": 3},
+    {"BN": 32, "num_stages": 3},
+]
 
 
 def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:

@@ -149,7 +149,7 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
         v = tl.load(mask_ptr + row_off + ii, mask=ii < qlen, other=0).to(tl.int32)  # [BN]
         cum = tl.cumsum(v, 0) + base  # inclusive visible count up to each block token
         hit = (cum[None, :] == rank[:, None] + 1) & (v[None, :] != 0)  # [BN keys, BN tokens]
-        idx += tl.sum(tl.where(hit, ii[None, :], 0), 1)
+        idx += tl.sum(tl.where(hit, ii[None, :], 0), 1).to(tl.int32)
         base += tl.sum(v, 0)
     return idx
 
