@@ -130,6 +130,9 @@ def main() -> None:
                 lambda x=x, ids=ids, tw=tw: moe_ref(x, ids, tw, w), graph=False, rep=args.rep
             )
             print(f"torch reference T={row['T']}: {row['torch_ms']:.2f} ms")
+    from ddserve.kernels import moe_triton_v2
+
+    res["asm_error"] = moe_triton_v2.ASM_ERROR  # None unless the asm dequant failed to compile
     res["seconds"] = time.perf_counter() - start
     write_json(args.out, res)
 

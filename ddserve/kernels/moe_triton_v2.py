@@ -18,13 +18,13 @@ sum over K splits and top-k slots is in a fixed order with no atomics; calls wit
 does not depend on the other tokens in the call or on their routing (MMA results per element do
 not depend on other rows/columns of a tile when the compiled kernel is the same).
 
-ASM dequant (`ASM=True`, CUDA only, bf16 scales): `(w >> s) & 0x000F000F | 0x43004300` via lop3
-gives two bf16 values 128 + n, one bf16x2 fma subtracts 136 exactly and one multiplies by the
-scale (a single rounding): the same bits as the pure-Triton path (fp32 q * s rounded to bf16).
+ASM dequant (`ASM`, on by default on CUDA with bf16 scales): see `moe_w4_tiles`. If it fails to
+compile, the call falls back to pure Triton and ASM_ERROR says why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -32,78 +32,14 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels.moe_ref import ExpertWeights
-from ddserve.kernels.moe_triton_v1 import _pick_bm, _unpack, align_by_expert
+from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert
+from ddserve.kernels.moe_w4_tiles import _mma, _tile
 
+log = logging.getLogger(__name__)
+
+ASM_ERROR: str | None = None  # set when the asm dequant failed to compile (then auto-off)
 CHUNK = 1024  # invariant mode: tokens per call (bounds the [P, H] fp32 per-pair buffer)
 INVARIANT_CONFIG = dict(BM=16, BN1=32, SPLIT=4, KW1=16, BN2=128, KW2=16, W1=4, W2=4, S1=3, S2=2)
-
-
-@triton.jit
-def _pair_asm(w, s):
-    """Nibbles at bits 0 and 16 of each word times scale s: two bf16 tensors (asm, CUDA only)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, s2, one, c;
-        mov.b32 s2, {$3, $3};
-        mov.b32 one, 0x3F803F80;
-        mov.b32 c, 0xC308C308;
-        lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
-        fma.rn.bf16x2 t, t, one, c;
-        mov.b32 c, 0x80008000;
-        fma.rn.bf16x2 t, t, s2, c;
-        mov.b32 {$0, $1}, t;
-        }""",
-        constraints="=h,=h,r,h",
-        args=[w, s],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def _unpack_asm(words, scale):
-    """`_unpack` with the bf16x2 trick: same output bits, about 1.5 instructions per weight."""
-    s = scale.to(tl.bfloat16)
-    n0, n4 = _pair_asm(words, s)
-    n1, n5 = _pair_asm(words >> 4, s)
-    n2, n6 = _pair_asm(words >> 8, s)
-    n3, n7 = _pair_asm(words >> 12, s)
-    lo = tl.join(tl.join(n0, n4), tl.join(n2, n6))
-    hi = tl.join(tl.join(n1, n5), tl.join(n3, n7))
-    w = tl.join(lo, hi)  # [BN, KW, 2, 2, 2]
-    return tl.reshape(w, (w.shape[0], w.shape[1] * 8))
-
-
-@triton.jit
-def _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4: tl.constexpr,
-          KW: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """Rows n, columns kb .. kb + 8 KW of one expert's weight: [BN, 8 KW] bf16 (0 outside)."""
-    if INT4:
-        wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
-        wm = n_ok[:, None] & (wi < K // 8)[None, :]
-        words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
-        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
-        if ASM:
-            return _unpack_asm(words, scale)
-        else:
-            return _unpack(words, scale)
-    else:
-        k = kb + tl.arange(0, 8 * KW)
-        wm = n_ok[:, None] & (k < K)[None, :]
-        return tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0).to(
-            tl.bfloat16
-        )
-
-
-@triton.jit
-def _mma(a, b, F32: tl.constexpr):
-    """a @ b with fp32 accumulation; F32 (interpreter only: its bf16 dot is broken in triton 3.6
-    with numpy 2) widens the bf16 operands first, which gives the same products."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -260,6 +196,7 @@ def fused_moe_v2(
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """`moe_ref`'s contract. `config` overrides tile sizes (keys of INVARIANT_CONFIG, ASM,
     ATOMIC); with `invariant` the overrides must themselves be fixed across calls."""
+    global ASM_ERROR
     t, hidden = x.shape
     if invariant and t > CHUNK:
         return torch.cat([
@@ -276,18 +213,36 @@ def fused_moe_v2(
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     p = t * topk
     cfg = default_config(p, num_experts, inter, x.device, invariant)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     cfg["ASM"] = (
         int4
+        and ASM_ERROR is None
         and x.device.type == "cuda"
-        and not interp
+        and os.environ.get("TRITON_INTERPRET") != "1"
         and s13.dtype == torch.bfloat16
         and s2.dtype == torch.bfloat16
     )
     cfg["ATOMIC"] = not invariant
+    asm_auto = "ASM" not in (config or {})
     cfg.update(config or {})
     if t == 0:
         return torch.zeros_like(x)
+    args = (x, topk_ids, topk_weights, w13, s13, w2, s2, int4, cfg)
+    if not (cfg["ASM"] and asm_auto):
+        return _launch(*args)
+    try:
+        return _launch(*args)
+    except Exception as exc:  # noqa: BLE001 - a compile failure of the asm path: use pure Triton
+        ASM_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
+        log.warning("MoE asm dequant failed to compile, using pure Triton: %s", ASM_ERROR)
+        return _launch(*args[:-1], dict(cfg, ASM=False))
+
+
+def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) -> torch.Tensor:
+    t, hidden = x.shape
+    topk = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    p = t * topk
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
     bm, split, kw1 = cfg["BM"], cfg["SPLIT"], cfg["KW1"]
     sorted_pairs, block_expert = align_by_expert(topk_ids, num_experts, bm)
     nb = block_expert.numel()

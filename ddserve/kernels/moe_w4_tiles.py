@@ -1,0 +1,92 @@
+"""Weight tiles for the W4A16 MoE kernels (`moe_triton_v2`): INT4 words -> bf16 tiles, two ways.
+
+Pure Triton (`moe_triton_v1._unpack`, runs in the interpreter): per nibble, mask, float
+magic-number subtract, fp32 scale multiply, round to bf16.
+ASM (CUDA only): `(w >> s) & 0x000F000F | 0x43004300` via lop3 gives two bf16 values 128 + n in
+one register, one bf16x2 fma subtracts 136 exactly and one multiplies by the bf16 scale (adding
+-0, so a single rounding of the exact product): the same bits as the pure path. About 1.5
+instructions per weight instead of ~5.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ddserve.kernels.moe_triton_v1 import _unpack
+
+
+@triton.jit
+def _pair_asm(w, s):
+    """Nibbles at bits 0 and 16 of int32 words w times bf16 scales s (passed as int16 bits):
+    two int16 tensors holding the bf16 bits (16-bit asm operands are integers for LLVM)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, s2, one, c;
+        mov.b32 s2, {$3, $3};
+        mov.b32 one, 0x3F803F80;
+        mov.b32 c, 0xC308C308;
+        lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+        fma.rn.bf16x2 t, t, one, c;
+        mov.b32 c, 0x80008000;
+        fma.rn.bf16x2 t, t, s2, c;
+        mov.b32 {$0, $1}, t;
+        }""",
+        constraints="=h,=h,r,h",
+        args=[w, s],
+        dtype=(tl.int16, tl.int16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _bf16(bits):
+    return bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _unpack_asm(words, scale):
+    """`_unpack` with the bf16x2 trick: same output bits, about 1.5 instructions per weight."""
+    s = scale.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    n0, n4 = _pair_asm(words, s)
+    n1, n5 = _pair_asm(words >> 4, s)
+    n2, n6 = _pair_asm(words >> 8, s)
+    n3, n7 = _pair_asm(words >> 12, s)
+    n0, n1, n2, n3 = _bf16(n0), _bf16(n1), _bf16(n2), _bf16(n3)
+    n4, n5, n6, n7 = _bf16(n4), _bf16(n5), _bf16(n6), _bf16(n7)
+    lo = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    hi = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    w = tl.join(lo, hi)  # [BN, KW, 2, 2, 2]
+    return tl.reshape(w, (w.shape[0], w.shape[1] * 8))
+
+
+@triton.jit
+def _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4: tl.constexpr,
+          KW: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Rows n, columns kb .. kb + 8 KW of one expert's weight: [BN, 8 KW] bf16 (0 outside)."""
+    if INT4:
+        wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
+        wm = n_ok[:, None] & (wi < K // 8)[None, :]
+        words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+        if ASM:
+            return _unpack_asm(words, scale)
+        else:
+            return _unpack(words, scale)
+    else:
+        k = kb + tl.arange(0, 8 * KW)
+        wm = n_ok[:, None] & (k < K)[None, :]
+        return tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0).to(
+            tl.bfloat16
+        )
+
+
+@triton.jit
+def _mma(a, b, F32: tl.constexpr):
+    """a @ b with fp32 accumulation; F32 (interpreter only: its bf16 dot is broken in triton 3.6
+    with numpy 2) widens the bf16 operands first, which gives the same products."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
