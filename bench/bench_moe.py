@@ -31,6 +31,8 @@ VARIANTS = [
     ("v2-inv", {"variant": "v2"}, True),
     ("v2-noasm", {"variant": "v2", "ASM": False}, False),
     ("v2-inv-noasm", {"variant": "v2", "ASM": False}, True),
+    ("v2-noprefetch", {"variant": "v2", "PREFETCH": False}, False),
+    ("v2-inv-noprefetch", {"variant": "v2", "PREFETCH": False}, True),
     ("v2-split1", {"variant": "v2", "SPLIT": 1}, False),
     ("v2-split2", {"variant": "v2", "SPLIT": 2}, False),
     ("v2-split8", {"variant": "v2", "SPLIT": 8}, False),
@@ -41,7 +43,8 @@ VARIANTS = [
     ("v2-inv-bn64", {"variant": "v2", "BN1": 64, "BN2": 64}, True),
     ("v2-inv-w8", {"variant": "v2", "W1": 8, "W2": 8}, True),
     ("v2-kw32-split8", {"variant": "v2", "KW1": 32, "SPLIT": 8}, False),
-    ("v2-inv-bn2-256", {"variant": "v2", "BN2": 256, "KW2": 32}, True),
+    ("v2-inv-kw2-32", {"variant": "v2", "KW2": 32}, True),
+    ("v2-inv-bn2-64-kw2-32", {"variant": "v2", "BN2": 64, "KW2": 32}, True),
 ]
 
 

@@ -83,6 +83,7 @@ def _child() -> None:
             accuracy("int4", w, t, 2, {}, inv)
     accuracy("int4-one-expert", w, 20, 1, {}, False, only=1)  # 7 empty experts, 2 blocks
     accuracy("int4-split1", w, 5, 2, {"SPLIT": 1}, False)
+    accuracy("int4-noprefetch", w, 5, 2, {"PREFETCH": False}, True)
     accuracy("int4-split2", w, 5, 2, {"SPLIT": 2, "BN1": 64, "KW1": 8}, False)
     odd = _random_int4(7, 320, 96, gen)  # H, I off the 128-column steps and BN2
     accuracy("int4-odd", odd, 9, 3, {}, False)
@@ -129,7 +130,7 @@ def records() -> list[dict]:
 
 def test_matches_reference(records):
     acc = [r for r in records if r["kind"] == "acc"]
-    assert len(acc) == 15
+    assert len(acc) == 16
     bad = [r for r in acc if not (r["shape_ok"] and r["err"] < TOL)]
     assert not bad, bad
 

@@ -33,13 +33,28 @@ import triton.language as tl
 
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert
-from ddserve.kernels.moe_w4_tiles import _mma, _tile
+from ddserve.kernels.moe_w4_tiles import _convert, _load_raw, _mma, _tile
 
 log = logging.getLogger(__name__)
 
 ASM_ERROR: str | None = None  # set when the asm dequant failed to compile (then auto-off)
 CHUNK = 1024  # invariant mode: tokens per call (bounds the [P, H] fp32 per-pair buffer)
-INVARIANT_CONFIG = dict(BM=16, BN1=32, SPLIT=4, KW1=16, BN2=128, KW2=16, W1=4, W2=4, S1=3, S2=2)
+INVARIANT_CONFIG = dict(
+    BM=16, BN1=32, SPLIT=4, KW1=16, BN2=128, KW2=16, W1=4, W2=4, S1=3, S2=2, PREFETCH=True
+)
+
+
+@triton.jit
+def _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
+             K: tl.constexpr, INT4: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
+             F32: tl.constexpr):  # fmt: skip
+    """One K step of the up-projection: [BN, BM] gate and up accumulators += W x^T."""
+    wg = _convert(gw, gs, INT4, ASM)  # [BN, 8 KW]
+    wu = _convert(uw, us, INT4, ASM)
+    k = kb + tl.arange(0, 8 * KW)
+    xm = valid[None, :] & (k < K)[:, None]
+    xk = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=xm, other=0.0)  # [8 KW, BM]
+    return acc_g + _mma(wg, xk, F32), acc_u + _mma(wu, xk, F32)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -49,7 +64,7 @@ def _up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_or,
     K: tl.constexpr, K_CHUNK: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -70,15 +85,29 @@ def _up_kernel(
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)  # weights on the MMA's M side
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     k_lo = pid_s * K_CHUNK
-    for kk in range(0, K_CHUNK, 8 * KW):  # constexpr bounds (also what the interpreter can run)
-        kb = k_lo + kk
-        wg = _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, ASM)
-        wu = _tile(w_base, s_base, n + N_half, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, ASM)
-        k = kb + tl.arange(0, 8 * KW)
-        xm = valid[None, :] & (k < K)[:, None]
-        xk = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=xm, other=0.0)
-        acc_g += _mma(wg, xk, F32)  # [BN, BM]
-        acc_u += _mma(wu, xk, F32)
+    k_end = tl.minimum(k_lo + K_CHUNK, K)
+    STEP: tl.constexpr = 8 * KW
+    if PREFETCH:  # next step's words are loaded before this step's are converted
+        gw, gs = _load_raw(w_base, s_base, n, n_ok, k_lo, k_end, stride_wn, stride_sn, INT4, KW)
+        uw, us = _load_raw(w_base, s_base, n + N_half, n_ok, k_lo, k_end, stride_wn, stride_sn,
+                           INT4, KW)  # fmt: skip
+        for kk in range(0, K_CHUNK, STEP):  # constexpr bounds (what the interpreter can run)
+            kb = k_lo + kk
+            gw2, gs2 = _load_raw(w_base, s_base, n, n_ok, kb + STEP, k_end, stride_wn, stride_sn,
+                                 INT4, KW)  # fmt: skip
+            uw2, us2 = _load_raw(w_base, s_base, n + N_half, n_ok, kb + STEP, k_end, stride_wn,
+                                 stride_sn, INT4, KW)  # fmt: skip
+            acc_g, acc_u = _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
+                                    K, INT4, KW, ASM, F32)  # fmt: skip
+            gw, gs, uw, us = gw2, gs2, uw2, us2
+    else:
+        for kk in range(0, K_CHUNK, STEP):
+            kb = k_lo + kk
+            gw, gs = _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4, KW)
+            uw, us = _load_raw(w_base, s_base, n + N_half, n_ok, kb, k_end, stride_wn, stride_sn,
+                               INT4, KW)  # fmt: skip
+            acc_g, acc_u = _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
+                                    K, INT4, KW, ASM, F32)  # fmt: skip
     o_ptrs = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_or + n[:, None]
     if SPLIT == 1:  # out is h [rows, N_half] bf16
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -261,7 +290,7 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
         xin.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         stride_os, stride_or, K=hidden, K_CHUNK=k_chunk,
         TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=kw1, SPLIT=split, ASM=cfg["ASM"], F32=interp,
-        num_warps=cfg["W1"], num_stages=cfg["S1"],
+        PREFETCH=cfg["PREFETCH"], num_warps=cfg["W1"], num_stages=cfg["S1"],
     )  # fmt: skip
     if split > 1:
         _silu_kernel[(nb, triton.cdiv(inter, 64))](

@@ -62,24 +62,41 @@ def _unpack_asm(words, scale):
 
 
 @triton.jit
+def _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4: tl.constexpr,
+              KW: tl.constexpr):  # fmt: skip
+    """Raw operands of rows n, columns kb .. kb + 8 KW (masked at k_end): INT4 -> (words
+    [BN, KW] int32, scales [BN, KW]); dense -> (tile [BN, 8 KW], the same tile)."""
+    if INT4:
+        wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
+        wm = n_ok[:, None] & (wi < k_end // 8)[None, :]
+        words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
+        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+        return words, scale
+    else:
+        k = kb + tl.arange(0, 8 * KW)
+        wm = n_ok[:, None] & (k < k_end)[None, :]
+        tile = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0)
+        return tile, tile
+
+
+@triton.jit
+def _convert(a, b, INT4: tl.constexpr, ASM: tl.constexpr):
+    """`_load_raw`'s operands -> [BN, 8 KW] bf16 weights."""
+    if INT4:
+        if ASM:
+            return _unpack_asm(a, b)
+        else:
+            return _unpack(a, b)
+    else:
+        return a.to(tl.bfloat16)
+
+
+@triton.jit
 def _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4: tl.constexpr,
           KW: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """Rows n, columns kb .. kb + 8 KW of one expert's weight: [BN, 8 KW] bf16 (0 outside)."""
-    if INT4:
-        wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
-        wm = n_ok[:, None] & (wi < K // 8)[None, :]
-        words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
-        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
-        if ASM:
-            return _unpack_asm(words, scale)
-        else:
-            return _unpack(words, scale)
-    else:
-        k = kb + tl.arange(0, 8 * KW)
-        wm = n_ok[:, None] & (k < K)[None, :]
-        return tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=wm, other=0.0).to(
-            tl.bfloat16
-        )
+    a, b = _load_raw(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
+    return _convert(a, b, INT4, ASM)
 
 
 @triton.jit

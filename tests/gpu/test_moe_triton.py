@@ -114,6 +114,7 @@ V1_CONFIGS = [
 V2_CONFIGS = [
     dict(BM=32), dict(BM=64), dict(SPLIT=1), dict(SPLIT=2), dict(SPLIT=8), dict(KW1=32),
     dict(KW1=64, S1=2), dict(BN1=64, BN2=64), dict(KW2=32), dict(W1=8, W2=8),
+    dict(PREFETCH=False), dict(PREFETCH=False, ASM=False),
 ]  # fmt: skip
 
 
