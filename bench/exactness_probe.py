@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -106,21 +107,24 @@ def op_checks(dev: str) -> dict:
 
 # ---- 2. model level ------------------------------------------------------------------------------
 class Recorder:
-    """Every module output and wrapped backend op result, in call order, while `on`."""
+    """Every module output and backend op result (the Router's gate linear and k-sum included),
+    in call order, while `on`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.on, self.events = False, []
+        self.on, self.events, self.stack = False, [], []
         for name, mod in model.named_modules():
             if name:
+                mod.register_forward_pre_hook(lambda *_, n=name: self.stack.append(n))
                 mod.register_forward_hook(self._hook(name))
         for op in ("tree_attention", "moe"):
             chooser = getattr(backend, op)
             setattr(backend, op, lambda dt, c=chooser, op=op: self._wrap(op, c(dt)))
-        bmm = backend.bmm_heads
-        backend.bmm_heads = self._wrap("bmm_heads", bmm)
+        for op in ("linear", "bmm_heads", "rms_norm", "row_sum"):  # called per forward
+            setattr(backend, op, self._wrap(op, getattr(backend, op)))
 
     def _hook(self, name: str):
         def hook(_mod, _args, out):
+            self.stack.pop()
             for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
                 self._add(name if i == 0 else f"{name}[{i}]", t)
 
@@ -129,7 +133,7 @@ class Recorder:
     def _wrap(self, label: str, fn):
         def call(*a, **kw):
             y = fn(*a, **kw)
-            self._add(label, y)
+            self._add(f"{self.stack[-1] if self.stack else ''}/{label}", y)
             return y
 
         return call
@@ -233,6 +237,8 @@ def main() -> None:
     ap.add_argument("--no-batch-invariant", action="store_true")
     ap.add_argument("--skip-ops", action="store_true", help="model probe only")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("ddserve.kernels.backend").setLevel(logging.INFO)  # the kernels chosen
     t0 = time.perf_counter()
     result = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else args.device)
     if not args.skip_ops and args.device == "cuda":
