@@ -93,10 +93,25 @@ def row_invariance(fn, x: torch.Tensor, args: tuple) -> dict:
     return dict(bitwise_all_m=not bad, differing_m=bad, max_abs_diff=worst)
 
 
+def time_us(fn, x: torch.Tensor, args: tuple, reps: int = 20) -> float:
+    fn(x, *args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn(x, *args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
 def op_checks(dev: str) -> dict:
     out = {}
     for name, (fast, ref, x, args) in op_cases(dev).items():
         out[name] = dict(triton=row_invariance(fast, x, args), torch=row_invariance(ref, x, args))
+        out[name]["us_triton_vs_torch"] = {
+            m: [round(time_us(fast, x[:m], args), 1), round(time_us(ref, x[:m], args), 1)]
+            for m in (1, 8, 136, 520)  # AR and verify rows of 8 streams, budgets 16 and 64
+        }
         ref_full = ref(x, *args).float()
         out[name]["triton_vs_torch_max_abs"] = (
             (fast(x, *args).float() - ref_full).abs().max().item()
