@@ -62,6 +62,19 @@ def check_linear_row_alone_equals_row_in_batch(inv, dtype: torch.dtype) -> None:
     assert torch.equal(inv.linear(x[5:70], w), full[5:70])
 
 
+def check_linear_split_k(inv, dtype: torch.dtype) -> None:
+    """A narrow weight with a long K is split along K; still accurate and row-invariant."""
+    n, k = 20, 1030
+    assert inv.mm_config(n, k, dtype)[3] > 1  # the case this check exists for
+    x, w = wide(20, k, dtype=dtype, seed=16), rand(n, k, dtype=dtype, seed=17)
+    full = inv.linear(x, w)  # [20, 40]
+    xr = rand(20, k, dtype=dtype, seed=18)
+    expected = xr.double() @ w.double().T
+    torch.testing.assert_close(inv.linear(xr, w).double(), expected, **tol(dtype))
+    alone = torch.cat([inv.linear(x[i : i + 1], w) for i in range(20)])  # [20, 40]
+    assert [i for i in range(20) if not torch.equal(alone[i], full[i])] == []
+
+
 def check_linear_accepts_leading_dims_and_empty(inv) -> None:
     x, w = rand(2, 3, 24, dtype=torch.float32, seed=4), rand(17, 24, dtype=torch.float32, seed=5)
     torch.testing.assert_close(inv.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
@@ -107,6 +120,8 @@ CASES = (
     [(f"linear_matches_float64[{d}]", check_linear_matches_float64, (d,)) for d in DTYPES]
     + [(f"linear_row_invariant[{d}]", check_linear_row_alone_equals_row_in_batch, (d,))
        for d in DTYPES]
+    + [(f"linear_split_k[{d}]", check_linear_split_k, (d,))
+       for d in (torch.bfloat16, torch.float32)]
     + [("linear_leading_dims_and_empty", check_linear_accepts_leading_dims_and_empty, ())]
     + [(f"bmm_heads[{d},transposed={t}]", check_bmm_heads_matches_einsum_and_is_row_invariant,
         (d, t)) for d in (torch.bfloat16, torch.float32) for t in (False, True)]

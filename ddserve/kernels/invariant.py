@@ -5,11 +5,13 @@ count M, so a token's row computed alone (autoregressive decode) and inside a DD
 forward of budget+1 rows per stream can differ in the last bits. These kernels fix everything
 that decides the arithmetic of a row independently of M:
 
-- matmuls (`linear`, `bmm_heads`): one kernel, fixed BLOCK_M/N/K, num_warps and num_stages
-  chosen from (N, K, dtype) only, never from M; no split-K; each output element is one fp32
-  accumulator walking K in tiles in order; output rounded once to x.dtype. fp32 inputs (the
-  Router) use input_precision="ieee", i.e. real fp32 FMA, not tf32. M and the row stride are
-  `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M.
+- matmuls (`linear`, `bmm_heads`): one kernel, fixed BLOCK_M/N/K, split count, num_warps and
+  num_stages chosen from (N, K, dtype) only, never from M. Each output element is one fp32
+  accumulator per K split walking its K range in tiles in order (narrow weights split K into a
+  fixed number of ranges; their fp32 partials are summed in split order by a second kernel);
+  output rounded once to x.dtype. fp32 inputs (the Router) use input_precision="ieee", i.e. real
+  fp32 FMA, not tf32. M and the row stride are `do_not_specialize`, so M = 1 or M % 16 == 0
+  compile the same kernel as every other M.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
 References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
@@ -31,18 +33,23 @@ def _interpreting() -> bool:
 # One launch configuration per (N, K, dtype) -- never per M.
 NUM_WARPS = 4
 NUM_STAGES = 3
+TARGET_PROGRAMS = 128  # split K until a small-M launch has about this many programs...
+MAX_SPLIT = 8  # ...with at most this many splits (1 disables splitting)...
+MIN_K = 512  # ...of at least this many K each
 
 
 @triton.jit(do_not_specialize=["M", "sxm", "sym"])
 def _mm_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr,
-    sxm, sxh, sxk, swh, swk, swn, sym, syh, syn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    sxm, sxh, sxk, swh, swk, swn, sys_, sym, syh, syn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, K_PER: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """y[m, h, n] = sum_k x[m, h, k] * w[h, k, n]; program (m tile, n tile, head). K is a
-    constexpr (fixed per weight; a runtime loop bound does not run in the Triton interpreter)."""
-    pid_m, pid_n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """y[s, m, h, n] = sum over split s's K range of x[m, h, k] * w[h, k, n]; program (m tile,
+    n tile, head * SPLIT + s). With SPLIT = 1, y is the output in its dtype; else fp32 partials.
+    K is a constexpr (fixed per weight; a runtime loop bound does not run in the interpreter)."""
+    pid_m, pid_n, pid_hs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h, s = pid_hs // SPLIT, pid_hs % SPLIT
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rk = tl.arange(0, BLOCK_K)  # [BK]
@@ -50,8 +57,8 @@ def _mm_kernel(
     x_rows = x_ptr + h.to(tl.int64) * sxh + rm.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_cols = w_ptr + h.to(tl.int64) * swh + rn.to(tl.int64)[None, :] * swn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk  # [BK]
+    for i in range(0, K_PER, BLOCK_K):
+        kk = s * K_PER + i + rk  # [BK]
         k_ok = kk < K
         a = tl.load(x_rows + kk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + kk[:, None] * swk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -61,33 +68,59 @@ def _mm_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)  # [BM, BN] 16-bit MMA, fp32 accumulate
-    y_ptrs = y_ptr + h.to(tl.int64) * syh + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn
+    y_ptrs = y_ptr + s.to(tl.int64) * sys_ + h.to(tl.int64) * syh + rn[None, :] * syn
+    y_ptrs += rm.to(tl.int64)[:, None] * sym  # [BM, BN]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def mm_config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) from the weight's shape and dtype only (M must not enter).
+@triton.jit(do_not_specialize=["numel"])
+def _sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = ws[0] + ws[1] + ... in that order (fp32), rounded once to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = offs < numel
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def mm_config(n: int, k: int, dtype: torch.dtype, heads: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT) from the weight's shape and dtype only (M must not
+    enter, or a row's arithmetic would depend on the batch).
 
     Decode is memory-bound: the weight is streamed once per m tile (a verify forward of up to
-    ~600 rows has ~10 of them), so BLOCK_N shrinks for narrow weights to keep enough programs in
-    flight. fp32 (the Router's gate, ieee FMA rather than tensor cores) takes smaller tiles."""
+    ~600 rows has ~10 of them), so BLOCK_N shrinks for narrow weights, and a weight with too few
+    column tiles to fill the GPU is split along K into SPLIT fixed ranges whose fp32 partials are
+    summed in split order: the split, too, is a function of the weight alone, so it keeps every
+    row's bits independent of M. fp32 (the Router's gate, ieee FMA) takes smaller tiles."""
     if dtype == torch.float32:
-        return 32, 32 if n > 1024 else 16, 32
-    block_n = 16 if n <= 1024 else 32 if n <= 8192 else 64
-    return 64, block_n, 128 if k >= 128 else 64
+        bm, bn, bk = 32, 32 if n > 1024 else 16, 32
+    else:
+        bm, bn, bk = 64, 16 if n <= 1024 else 32 if n <= 8192 else 64, 128 if k >= 128 else 64
+    split, programs = 1, heads * triton.cdiv(n, bn)
+    while split < MAX_SPLIT and programs * split < TARGET_PROGRAMS and k >= 2 * split * MIN_K:
+        split *= 2
+    return bm, bn, bk, split
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, ys, heads: int) -> None:
-    """y [M, (H,) N] = x [M, (H,) K] @ w seen as [H, K, N] through the strides ws."""
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, heads: int) -> None:
+    """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws."""
     m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
-    bm, bn, bk = mm_config(n, k, x.dtype)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads)
+    bm, bn, bk, split = mm_config(n, k, x.dtype, heads)
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    out = y if split == 1 else torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
+    ys = (y.stride(0), 0, y.stride(-1)) if y.dim() == 2 else y.stride()
+    split_stride = 0 if split == 1 else out.stride(0)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads * split)
     _mm_kernel[grid](
-        x, w, y, m, n, k, *xs, *ws, *ys,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        x, w, out, m, n, k, *xs, *ws, split_stride, *ys,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, K_PER=k_per,
         IEEE=x.dtype == torch.float32, INTERPRET=_interpreting(),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
+    if split > 1:
+        numel = y.numel()
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](out, y, numel, SPLIT=split, BLOCK=1024)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -109,7 +142,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # w[n, k] seen as [1, K, N]: stride along k is w.stride(1), along n w.stride(0)
         xs = (x2.stride(0), 0, x2.stride(1))
         ws = (0, w.stride(1), w.stride(0))
-        _launch(x2, w, y, xs, ws, (y.stride(0), 0, y.stride(1)), 1)
+        _launch(x2, w, y, xs, ws, 1)
     return y.view(*x.shape[:-1], n)
 
 
@@ -122,7 +155,7 @@ def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[2]
     y = torch.empty(t, h, n, dtype=x.dtype, device=x.device)  # [T, H, N]
     if t:
-        _launch(x, w, y, x.stride(), w.stride(), y.stride(), h)
+        _launch(x, w, y, x.stride(), w.stride(), h)
     return y
 
 
