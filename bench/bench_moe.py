@@ -38,13 +38,13 @@ VARIANTS = [
     ("v2-split8", {"variant": "v2", "SPLIT": 8}, False),
     ("v2-inv-split8", {"variant": "v2", "SPLIT": 8}, True),
     ("v2-inv-kw32", {"variant": "v2", "KW1": 32}, True),
-    ("v2-inv-kw64-s2", {"variant": "v2", "KW1": 64, "S1": 2}, True),
     ("v2-inv-s4", {"variant": "v2", "S1": 4, "S2": 3}, True),
-    ("v2-inv-bn64", {"variant": "v2", "BN1": 64, "BN2": 64}, True),
+    ("v2-inv-bn64-w8", {"variant": "v2", "BN1": 64, "W1": 8}, True),
     ("v2-inv-w8", {"variant": "v2", "W1": 8, "W2": 8}, True),
     ("v2-kw32-split8", {"variant": "v2", "KW1": 32, "SPLIT": 8}, False),
-    ("v2-inv-kw2-32", {"variant": "v2", "KW2": 32}, True),
-    ("v2-inv-bn2-64-kw2-32", {"variant": "v2", "BN2": 64, "KW2": 32}, True),
+    ("v2-inv-bn2-128-kw2-16", {"variant": "v2", "BN2": 128, "KW2": 16}, True),
+    ("v2-inv-bn2-128-kw2-32-w8", {"variant": "v2", "BN2": 128, "KW2": 32, "W2": 8}, True),
+    ("v2-inv-kw32-w8", {"variant": "v2", "KW1": 32, "W1": 8}, True),
 ]
 
 

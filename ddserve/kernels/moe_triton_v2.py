@@ -32,15 +32,18 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels.moe_ref import ExpertWeights
-from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert
+from ddserve.kernels.moe_triton_v1 import align_by_expert
 from ddserve.kernels.moe_w4_tiles import _convert, _load_raw, _mma, _tile
 
 log = logging.getLogger(__name__)
 
 ASM_ERROR: str | None = None  # set when the asm dequant failed to compile (then auto-off)
 CHUNK = 1024  # invariant mode: tokens per call (bounds the [P, H] fp32 per-pair buffer)
+# Registers (ptxas for sm_90, ASM on): up BN1=32 KW1=16 W1=4 with prefetch 134 (3 programs per
+# SM); down BN2=64 KW2=32 (all of K = 256 in one step) 132, vs BN2=128 KW2=16 244. Wider up
+# tiles (BN1=64 at 4 warps, KW1 >= 64) hit the 255 cap.
 INVARIANT_CONFIG = dict(
-    BM=16, BN1=32, SPLIT=4, KW1=16, BN2=128, KW2=16, W1=4, W2=4, S1=3, S2=2, PREFETCH=True
+    BM=16, BN1=32, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=4, W2=4, S1=3, S2=2, PREFETCH=True
 )
 
 
@@ -204,14 +207,16 @@ def default_config(
     """Tile config. Invariant: the fixed INVARIANT_CONFIG. Otherwise shaped by the pair count."""
     if invariant:
         return dict(INVARIANT_CONFIG)
-    bm = _pick_bm(p, num_experts)
-    bn1 = 32 if 4 * p < num_experts else 64
+    cfg = dict(INVARIANT_CONFIG)
+    if p > 14 * num_experts:  # many tokens per expert: taller blocks, 8 warps for the registers
+        cfg.update(BM=32, W1=8, W2=8)
+    bm, bn1 = cfg["BM"], cfg["BN1"]
     nb = triton.cdiv(p + min(num_experts, p) * (bm - 1), bm)
     programs = nb * triton.cdiv(inter, bn1)
     split = 1
     while split < 8 and programs * split < 4 * _num_sms(dev):
         split *= 2
-    return dict(INVARIANT_CONFIG, BM=bm, BN1=bn1, SPLIT=split)
+    return dict(cfg, SPLIT=split)
 
 
 def fused_moe_v2(
