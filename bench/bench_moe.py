@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
     ap.add_argument("--variants", action="store_true", help="time every variant, not just default")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
-    ap.add_argument("--budget", type=float, default=135.0, help="seconds for the whole run")
+    ap.add_argument("--budget", type=float, default=115.0, help="seconds for the kernel sweep")
     ap.add_argument("--rep", type=int, default=40, help="do_bench milliseconds per timing")
     args = ap.parse_args()
     start = time.perf_counter()

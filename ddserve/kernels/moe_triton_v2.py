@@ -5,7 +5,8 @@ Launches after `align_by_expert` (torch ops, no host sync):
 
 1. up:      part[s, r] = x_t @ W13_e[:, K-split s]^T (fp32), SPLIT programs per (block, columns),
             each walking K / SPLIT columns (more loads in flight when few experts are touched).
-            With SPLIT == 1 the SiLU-mul is fused and h is written directly.
+            With SPLIT == 1 the SiLU-mul is fused and h is written directly. PREFETCH: the next
+            K step's words are loaded (into registers) before this step's are dequantized.
 2. silu:    h[r] = silu(sum_s gate part) * (sum_s up part), splits summed in order 0..SPLIT-1, bf16.
 3. down:    y[p] = w_p * (h[p] @ W2_e^T). Fast mode: fp32 atomic adds into out[t].
             Invariant mode: y stored per pair ([P, H] fp32), then
@@ -17,6 +18,9 @@ sum over K splits and top-k slots is in a fixed order with no atomics; calls wit
 `CHUNK` tokens are split on the host (per-token arithmetic is unchanged). So a token's output row
 does not depend on the other tokens in the call or on their routing (MMA results per element do
 not depend on other rows/columns of a tile when the compiled kernel is the same).
+
+Non-invariant mode keeps shape-dependent tuning: SPLIT grows (up to 8) until there are about 4
+programs per SM, BM = 32 past 14 tokens per expert, and fp32 atomics for the output.
 
 ASM dequant (`ASM`, on by default on CUDA with bf16 scales): see `moe_w4_tiles`. If it fails to
 compile, the call falls back to pure Triton and ASM_ERROR says why.
