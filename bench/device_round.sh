@@ -23,5 +23,13 @@ case "${1:-check}" in
     (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
     (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"
     ;;
+  engine)  # K2.6 rank slice, CUDA graphs, batch-invariant kernels on, then off
+    ARGS="--batches 1,5,10 --budgets 8,16 --corrupt 0,0.3 --cuda-graphs --max-seconds 150"
+    OUT=$OUT bash bench/run_engine_gpu.sh $ARGS >/dev/null 2>&1
+    mv "$OUT/engine.json" "$OUT/engine_graphs_invariant.json"; tail -25 "$OUT/engine.log" >>"$LOG"
+    OUT=$OUT bash bench/run_engine_gpu.sh $ARGS --no-batch-invariant >/dev/null 2>&1
+    mv "$OUT/engine.json" "$OUT/engine_graphs_plain.json"; tail -25 "$OUT/engine.log" >>"$LOG"
+    rm -f "$OUT/engine.log"
+    ;;
 esac
 tail -c 11000 "$LOG"
