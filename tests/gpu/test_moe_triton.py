@@ -31,8 +31,9 @@ def random_int4_experts(e: int, h: int, i: int, gen: torch.Generator) -> ExpertW
 
 
 def random_routing(t: int, e: int, k: int, gen: torch.Generator, only: int | None = None):
-    """Top-k distinct experts per token (restricted to the first `only` experts if given)."""
-    pool = only or e
+    """Top-k distinct experts per token, restricted to the first max(`only`, k) experts if given
+    (`only` < k crowds every token onto the same k experts)."""
+    pool = max(only, k) if only else e
     ids = torch.rand(t, pool, generator=gen).topk(k, dim=1).indices
     weights = torch.rand(t, k, generator=gen) * 2.5
     return ids.cuda(), weights.cuda()
@@ -174,7 +175,7 @@ def _batch_with(probe, t: int, gen: torch.Generator, only: int | None):
 
 def test_invariant_rows_bitwise_k26():
     """invariant=True: each probe token's row is bitwise the same alone as in batches of 3..400
-    (uniform routing of the others, and routing crowded onto 16 or 2 experts). Every mismatch is
+    (uniform routing of the others, and routing crowded onto 16 or 8 experts). Every mismatch is
     printed; the non-invariant paths are reported for information only."""
     from ddserve.kernels.moe_triton import fused_moe
 
@@ -243,4 +244,6 @@ def test_backend_picks_triton_on_cuda():
     from ddserve.kernels import backend
     from ddserve.kernels.moe_triton import fused_moe
 
-    assert backend.moe("cuda") is fused_moe or backend.moe("cuda").__module__.endswith("marlin")
+    fn = backend.moe("cuda")  # may be a functools.wraps wrapper around the kernel
+    fn = getattr(fn, "__wrapped__", fn)
+    assert fn is fused_moe or fn.__module__.endswith("marlin")
