@@ -4,7 +4,7 @@ The kernels run in a subprocess with TRITON_INTERPRET=1 (the flag is read when a
 decorated, so it must be set before ddserve's Triton modules are first imported in a process);
 the subprocess prints one JSON record per check and the tests below assert on them.
 Checks: equal to `moe_ref` within tolerance (INT4 and dense bf16, T = 0 / 1 / 5 / 33, experts with
-no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off), and with
+no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the tuned mode), the ablation modes run,, and with
 invariant=True a token's row is bitwise the same alone as inside bigger batches with different
 routing of the other tokens (also across the host-side token chunking).
 """
@@ -85,6 +85,12 @@ def _child() -> None:
     accuracy("int4-noprefetch", w, 5, 2, {"PREFETCH": False}, True)
     accuracy("int4-bm32", w, 17, 2, {"BM": 32, "SPLIT": 2}, False)
     accuracy("int4-split2", w, 5, 2, {"SPLIT": 2, "BN1": 64, "KW1": 8}, False)
+    accuracy("int4-tuned", w, 17, 2, {"TUNED": True}, False)  # round-1 tuning, fp32 atomics
+    xa = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    ida, twa = _routing(5, 8, 2, gen)
+    for ab in v2.ABLATIONS:  # bench-only ablations: they run and keep the output's shape
+        out = fused_moe(xa, ida, twa, w, config={"ABLATE": ab})
+        emit(kind="ablate", name=ab, shape_ok=out.shape == xa.shape and out.dtype == xa.dtype)
     odd = _random_int4(7, 320, 96, gen)  # H, I off the 128-column steps and BN2
     accuracy("int4-odd", odd, 4, 3, {}, False)
     accuracy("int4-odd", odd, 4, 3, {}, True)
@@ -130,9 +136,15 @@ def records() -> list[dict]:
 
 def test_matches_reference(records):
     acc = [r for r in records if r["kind"] == "acc"]
-    assert len(acc) == 16
+    assert len(acc) == 17
     bad = [r for r in acc if not (r["shape_ok"] and r["err"] < TOL)]
     assert not bad, bad
+
+
+def test_ablations_run(records):
+    ab = [r for r in records if r["kind"] == "ablate"]
+    assert [r["name"] for r in ab] == ["load_only", "no_mma", "fake_dequant"]
+    assert all(r["shape_ok"] for r in ab), ab
 
 
 def test_invariant_rows_are_bitwise_equal(records):

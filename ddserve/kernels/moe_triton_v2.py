@@ -19,8 +19,9 @@ sum over K splits and top-k slots is in a fixed order with no atomics; calls wit
 does not depend on the other tokens in the call or on their routing (MMA results per element do
 not depend on other rows/columns of a tile when the compiled kernel is the same).
 
-Non-invariant mode keeps shape-dependent tuning: SPLIT grows (up to 8) until there are about 4
-programs per SM, BM = 32 past 14 tokens per expert, and fp32 atomics for the output.
+Non-invariant mode runs the same fixed config by default (it measured fastest at every T in
+round 1). config={"TUNED": True} gives the round-1 shape-dependent tuning: SPLIT grows (up to 8)
+until there are about 4 programs per SM, BM = 32 past 14 tokens per expert, fp32 atomics.
 
 ASM dequant (`ASM`, on by default on CUDA with bf16 scales): see `moe_w4_tiles`. If it fails to
 compile, the call falls back to pure Triton and ASM_ERROR says why.
@@ -37,31 +38,34 @@ import triton.language as tl
 
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import align_by_expert
-from ddserve.kernels.moe_w4_tiles import _convert, _load_raw, _mma, _tile
+from ddserve.kernels.moe_w4_tiles import _acc_step, _load_raw
 
 log = logging.getLogger(__name__)
 
 ASM_ERROR: str | None = None  # set when the asm dequant failed to compile (then auto-off)
-CHUNK = 1024  # invariant mode: tokens per call (bounds the [P, H] fp32 per-pair buffer)
-# Registers (ptxas for sm_90, ASM on): up BN1=32 KW1=16 W1=4 with prefetch 134 (3 programs per
-# SM); down BN2=64 KW2=32 (all of K = 256 in one step) 132, vs BN2=128 KW2=16 244. Wider up
-# tiles (BN1=64 at 4 warps, KW1 >= 64) hit the 255 cap.
+CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair buffer)
+# Registers (ptxas for sm_90, ASM on): up BN1=32 KW1=16 W1=4 with prefetch 134; down BN2=64 KW2=32
+# (all of K = 256 in one step) 132, vs BN2=128 KW2=16 244. BN1=64 at 4 warps hits the 255 cap.
+# Round 1 on an H200: BN1=64 at 8 warps was the fastest variant at every T (1 .. 768), invariant
+# or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
-    BM=16, BN1=32, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=4, W2=4, S1=3, S2=2, PREFETCH=True
+    BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0
 )
+# MODE (ablations for the bench only, wrong results): 1 LOAD_ONLY, 2 NO_MMA, 3 FAKE_DEQUANT.
+ABLATIONS = {"load_only": 1, "no_mma": 2, "fake_dequant": 3}
 
 
 @triton.jit
 def _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
              K: tl.constexpr, INT4: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
-             F32: tl.constexpr):  # fmt: skip
+             F32: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     """One K step of the up-projection: [BN, BM] gate and up accumulators += W x^T."""
-    wg = _convert(gw, gs, INT4, ASM)  # [BN, 8 KW]
-    wu = _convert(uw, us, INT4, ASM)
     k = kb + tl.arange(0, 8 * KW)
     xm = valid[None, :] & (k < K)[:, None]
     xk = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=xm, other=0.0)  # [8 KW, BM]
-    return acc_g + _mma(wg, xk, F32), acc_u + _mma(wu, xk, F32)
+    acc_g = _acc_step(acc_g, gw, gs, xk, INT4, ASM, F32, MODE)
+    acc_u = _acc_step(acc_u, uw, us, xk, INT4, ASM, F32, MODE)
+    return acc_g, acc_u
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -71,7 +75,7 @@ def _up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_or,
     K: tl.constexpr, K_CHUNK: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    F32: tl.constexpr, PREFETCH: tl.constexpr,
+    F32: tl.constexpr, PREFETCH: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -105,7 +109,7 @@ def _up_kernel(
             uw2, us2 = _load_raw(w_base, s_base, n + N_half, n_ok, kb + STEP, k_end, stride_wn,
                                  stride_sn, INT4, KW)  # fmt: skip
             acc_g, acc_u = _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
-                                    K, INT4, KW, ASM, F32)  # fmt: skip
+                                    K, INT4, KW, ASM, F32, MODE)  # fmt: skip
             gw, gs, uw, us = gw2, gs2, uw2, us2
     else:
         for kk in range(0, K_CHUNK, STEP):
@@ -114,7 +118,7 @@ def _up_kernel(
             uw, us = _load_raw(w_base, s_base, n + N_half, n_ok, kb, k_end, stride_wn, stride_sn,
                                INT4, KW)  # fmt: skip
             acc_g, acc_u = _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
-                                    K, INT4, KW, ASM, F32)  # fmt: skip
+                                    K, INT4, KW, ASM, F32, MODE)  # fmt: skip
     o_ptrs = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_or + n[:, None]
     if SPLIT == 1:  # out is h [rows, N_half] bf16
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -151,6 +155,7 @@ def _down_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     KW: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr,
+    MODE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -168,12 +173,12 @@ def _down_kernel(
     s_base = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for kb in range(0, K, 8 * KW):
-        w = _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, ASM)
+        a, b = _load_raw(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
         k = kb + tl.arange(0, 8 * KW)
         hk = tl.load(
             h_ptr + rows[None, :] * stride_h + k[:, None], mask=(k < K)[:, None], other=0.0
         )
-        acc += _mma(w, hk, F32)  # [BN, BM]
+        acc = _acc_step(acc, a, b, hk, INT4, ASM, F32, MODE)  # [BN, BM]
     y = acc * wt[None, :]
     m = valid[None, :] & n_ok[:, None]
     if ATOMIC:  # out [T, N] fp32
@@ -193,6 +198,16 @@ def _combine_kernel(y_ptr, out_ptr, N, stride_y, stride_o, TOPK: tl.constexpr, B
     tl.store(out_ptr + t * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+LAST_LAUNCH: dict[str, dict] = {}  # kernel -> programs, warps, registers, spills (bench reads it)
+
+
+def _note_launch(name: str, kernel, grid: int, warps: int) -> None:
+    LAST_LAUNCH[name] = dict(
+        programs=grid, warps=warps, n_regs=getattr(kernel, "n_regs", None),
+        n_spills=getattr(kernel, "n_spills", None), shared=getattr(kernel, "shared", None),
+    )  # fmt: skip
+
+
 _SMS: dict[int, int] = {}
 
 
@@ -206,12 +221,14 @@ def _num_sms(dev: torch.device) -> int:
 
 
 def default_config(
-    p: int, num_experts: int, inter: int, dev: torch.device, invariant: bool
+    p: int, num_experts: int, inter: int, dev: torch.device, invariant: bool, tuned: bool = False
 ) -> dict:
-    """Tile config. Invariant: the fixed INVARIANT_CONFIG. Otherwise shaped by the pair count."""
-    if invariant:
+    """Tile config: the fixed INVARIANT_CONFIG (both modes: it measured fastest). `tuned`
+    (non-invariant only, config={"TUNED": True}): the round-1 shape-dependent choice (BN1=32 at 4
+    warps, SPLIT up to 8 for ~4 programs per SM, BM=32 past 14 tokens per expert)."""
+    if invariant or not tuned:
         return dict(INVARIANT_CONFIG)
-    cfg = dict(INVARIANT_CONFIG)
+    cfg = dict(INVARIANT_CONFIG, BN1=32, W1=4)
     if p > 14 * num_experts:  # many tokens per expert: taller blocks, 8 warps for the registers
         cfg.update(BM=32, W1=8, W2=8)
     bm, bn1 = cfg["BM"], cfg["BN1"]
@@ -236,10 +253,10 @@ def fused_moe_v2(
     ATOMIC); with `invariant` the overrides must themselves be fixed across calls."""
     global ASM_ERROR
     t, hidden = x.shape
-    if invariant and t > CHUNK:
+    if t > CHUNK and (invariant or not (config or {}).get("TUNED")):  # bounded [P, H] buffer
         return torch.cat([
             fused_moe_v2(x[i : i + CHUNK], topk_ids[i : i + CHUNK], topk_weights[i : i + CHUNK],
-                         weights, config=config, invariant=True)
+                         weights, config=config, invariant=invariant)
             for i in range(0, t, CHUNK)
         ])  # fmt: skip
     topk = topk_ids.shape[1]
@@ -250,7 +267,11 @@ def fused_moe_v2(
     s2 = weights.w2_scale if int4 else w2
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     p = t * topk
-    cfg = default_config(p, num_experts, inter, x.device, invariant)
+    config = dict(config or {})
+    if "ABLATE" in config:  # bench only: leave one stage out (wrong results)
+        config["MODE"] = ABLATIONS[config.pop("ABLATE")]
+    tuned = bool(config.pop("TUNED", False)) and not invariant
+    cfg = default_config(p, num_experts, inter, x.device, invariant, tuned)
     cfg["ASM"] = (
         int4
         and ASM_ERROR is None
@@ -259,7 +280,8 @@ def fused_moe_v2(
         and s13.dtype == torch.bfloat16
         and s2.dtype == torch.bfloat16
     )
-    cfg["ATOMIC"] = not invariant
+    cfg["ATOMIC"] = tuned  # fp32 atomics only in the tuned mode (the fixed-order sum measured
+    # no slower)
     asm_auto = "ASM" not in (config or {})
     cfg.update(config or {})
     if t == 0:
@@ -293,13 +315,14 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     k_chunk = triton.cdiv(triton.cdiv(hidden, split), 8 * kw1) * 8 * kw1
     stride_os = 0 if split == 1 else part.stride(0)
     stride_or = h.stride(0) if split == 1 else part.stride(1)
-    _up_kernel[(nb * split * triton.cdiv(inter, cfg["BN1"]),)](
+    grid_up = nb * split * triton.cdiv(inter, cfg["BN1"])
+    k_up = _up_kernel[(grid_up,)](
         xin, w13, s13, part, sorted_pairs, block_expert,
         p, num_experts, nb, inter,
         xin.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         stride_os, stride_or, K=hidden, K_CHUNK=k_chunk,
         TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=kw1, SPLIT=split, ASM=cfg["ASM"], F32=interp,
-        PREFETCH=cfg["PREFETCH"], num_warps=cfg["W1"], num_stages=cfg["S1"],
+        PREFETCH=cfg["PREFETCH"], MODE=cfg["MODE"], num_warps=cfg["W1"], num_stages=cfg["S1"],
     )  # fmt: skip
     if split > 1:
         _silu_kernel[(nb, triton.cdiv(inter, 64))](
@@ -311,13 +334,17 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     y = (torch.zeros if cfg["ATOMIC"] else torch.empty)(
         rows_out, hidden, dtype=torch.float32, device=dev
     )
-    _down_kernel[(nb * triton.cdiv(hidden, cfg["BN2"]),)](
+    grid_down = nb * triton.cdiv(hidden, cfg["BN2"])
+    k_down = _down_kernel[(grid_down,)](
         h, w2, s2, y, sorted_pairs, block_expert, tw,
         p, num_experts, nb, hidden,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         K=inter, TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], ASM=cfg["ASM"],
-        ATOMIC=cfg["ATOMIC"], F32=interp, num_warps=cfg["W2"], num_stages=cfg["S2"],
+        ATOMIC=cfg["ATOMIC"], F32=interp, MODE=cfg["MODE"], num_warps=cfg["W2"],
+        num_stages=cfg["S2"],
     )  # fmt: skip
+    _note_launch("up", k_up, grid_up, cfg["W1"])
+    _note_launch("down", k_down, grid_down, cfg["W2"])
     if cfg["ATOMIC"]:
         return y.to(x.dtype)
     out = torch.empty_like(x)

@@ -107,3 +107,36 @@ def _mma(a, b, F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _fake_bf16(words, scale):
+    """FAKE_DEQUANT ablation: the words reinterpreted as bf16 (halves, each used 4 times) with
+    the scale bits xor-ed in so the scale load stays live; no real dequant arithmetic."""
+    w = words ^ scale.to(tl.float32).to(tl.int32, bitcast=True)
+    lo = _bf16(w.to(tl.int16))
+    hi = _bf16((w >> 16).to(tl.int16))
+    t = tl.join(lo, hi)
+    t = tl.join(tl.join(t, t), tl.join(t, t))  # [BN, KW, 2, 2, 2]
+    return tl.reshape(t, (t.shape[0], t.shape[1] * 8))
+
+
+@triton.jit
+def _acc_step(acc, a, b, xk, INT4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+              MODE: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] += tile(a, b) @ xk, with `_load_raw`'s operands. MODE (ablations, INT4
+    only; every other stage kept): 0 the real step; 1 LOAD_ONLY (xor checksum of words and
+    scale bits, no dequant, no MMA); 2 NO_MMA (real dequant, summed into acc elementwise instead
+    of tl.dot); 3 FAKE_DEQUANT (bitcast words fed to the MMA)."""
+    if MODE == 0 or not INT4:
+        out = acc + _mma(_convert(a, b, INT4, ASM), xk, F32)
+    elif MODE == 1:
+        cs = tl.xor_sum(a ^ b.to(tl.float32).to(tl.int32, bitcast=True), axis=1)  # [BN]
+        out = acc + cs.to(tl.float32)[:, None]
+    elif MODE == 2:
+        w = _convert(a, b, INT4, ASM).to(tl.float32)  # [BN, 8 KW]
+        w3 = tl.reshape(w, (w.shape[0], w.shape[1] // acc.shape[1], acc.shape[1]), can_reorder=True)
+        out = acc + tl.sum(w3, axis=1)
+    else:
+        out = acc + _mma(_fake_bf16(a, b), xk, F32)
+    return out
