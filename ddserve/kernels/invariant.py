@@ -5,13 +5,14 @@ count M, so a token's row computed alone (autoregressive decode) and inside a DD
 forward of budget+1 rows per stream can differ in the last bits. These kernels fix everything
 that decides the arithmetic of a row independently of M:
 
-- matmuls (`linear`, `bmm_heads`): one kernel, fixed BLOCK_M/N/K, split count, num_warps and
-  num_stages chosen from (N, K, dtype) only, never from M. Each output element is one fp32
-  accumulator per K split walking its K range in tiles in order (narrow weights split K into a
-  fixed number of ranges; their fp32 partials are summed in split order by a second kernel);
-  output rounded once to x.dtype. fp32 inputs (the Router) use input_precision="ieee", i.e. real
-  fp32 FMA, not tf32. M and the row stride are `do_not_specialize`, so M = 1 or M % 16 == 0
-  compile the same kernel as every other M.
+- matmuls (`linear`, `bmm_heads`): one kernel; BLOCK_M/N/K, split count, num_warps and
+  num_stages come from (N, K, dtype) only, never from M (`invariant_configs.mm_config`). Each
+  output element is one fp32 accumulator per K split walking its K range in tiles in order
+  (narrow weights split K into a fixed number of ranges; their fp32 partials are summed in split
+  order by a second kernel); output rounded once to x.dtype. fp32 inputs (the Router) use
+  input_precision "ieee" (real fp32 FMA, not tf32) or "tf32x3", fixed by the configuration. M and
+  the row stride are `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as
+  every other M.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
 References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
@@ -25,17 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.kernels.invariant_configs import (  # noqa: F401 (re-exported)
+    MMConfig,
+    current_configs,
+    mm_config,
+    set_configs,
+)
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# One launch configuration per (N, K, dtype) -- never per M.
-NUM_WARPS = 4
-NUM_STAGES = 3
-TARGET_PROGRAMS = 128  # split K until a small-M launch has about this many programs...
-MAX_SPLIT = 8  # ...with at most this many splits (1 disables splitting)...
-MIN_K = 512  # ...of at least this many K each
 
 
 @triton.jit(do_not_specialize=["M", "sxm", "sym"])
@@ -43,7 +43,8 @@ def _mm_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr,
     sxm, sxh, sxk, swh, swk, swn, sys_, sym, syh, syn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, K_PER: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, K_PER: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """y[s, m, h, n] = sum over split s's K range of x[m, h, k] * w[h, k, n]; program (m tile,
     n tile, head * SPLIT + s). With SPLIT = 1, y is the output in its dtype; else fp32 partials.
@@ -62,8 +63,8 @@ def _mm_kernel(
         k_ok = kk < K
         a = tl.load(x_rows + kk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + kk[:, None] * swk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")  # [BM, BN] fp32 FMA
+        if FP32:  # "ieee" (fp32 FMA) or "tf32x3" (3 tf32 MMAs, ~fp32): fixed per weight
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BM, BN]
         elif INTERPRET:  # the CPU interpreter's bf16 dot is wrong; bf16 products are exact in fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -84,29 +85,11 @@ def _sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.cons
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def mm_config(n: int, k: int, dtype: torch.dtype, heads: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT) from the weight's shape and dtype only (M must not
-    enter, or a row's arithmetic would depend on the batch).
-
-    Decode is memory-bound: the weight is streamed once per m tile (a verify forward of up to
-    ~600 rows has ~10 of them), so BLOCK_N shrinks for narrow weights, and a weight with too few
-    column tiles to fill the GPU is split along K into SPLIT fixed ranges whose fp32 partials are
-    summed in split order: the split, too, is a function of the weight alone, so it keeps every
-    row's bits independent of M. fp32 (the Router's gate, ieee FMA) takes smaller tiles."""
-    if dtype == torch.float32:
-        bm, bn, bk = 32, 32 if n > 1024 else 16, 32
-    else:
-        bm, bn, bk = 64, 16 if n <= 1024 else 32 if n <= 8192 else 64, 128 if k >= 128 else 64
-    split, programs = 1, heads * triton.cdiv(n, bn)
-    while split < MAX_SPLIT and programs * split < TARGET_PROGRAMS and k >= 2 * split * MIN_K:
-        split *= 2
-    return bm, bn, bk, split
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, heads: int) -> None:
     """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws."""
     m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
-    bm, bn, bk, split = mm_config(n, k, x.dtype, heads)
+    cfg = mm_config(n, k, x.dtype, heads)
+    bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     out = y if split == 1 else torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
     ys = (y.stride(0), 0, y.stride(-1)) if y.dim() == 2 else y.stride()
@@ -115,8 +98,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, heads: in
     _mm_kernel[grid](
         x, w, out, m, n, k, *xs, *ws, split_stride, *ys,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, K_PER=k_per,
-        IEEE=x.dtype == torch.float32, INTERPRET=_interpreting(),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if split > 1:
         numel = y.numel()

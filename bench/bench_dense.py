@@ -1,0 +1,212 @@
+"""GPU time of the batch-invariant dense ops vs torch, by CUDA-graph replay (GPU time only).
+
+The engine replays captured CUDA graphs, so launch overhead does not count; each op is captured
+once per (variant, M) and its replay timed with triton's do_bench (median, L2 flushed between
+calls, as a real forward streams its weights from HBM). Shapes are one rank of Kimi K2.6 at
+tp = 8: MLA q_a / kv_a / q_b / o_proj, the absorbed per-head matmuls (8 heads, 128 x 512 both
+ways), the shared expert, the first layer's dense MLP, the fp32 Router gate, the lm_head slice
+and the three RMSNorm widths. Variants: torch, then each Triton config set of
+`invariant_configs` (16-bit sets for bf16 weights, fp32 sets for the Router). Per (op, variant,
+M): microseconds, weight GB/s, TFLOP/s; per Triton variant: whether every timed M gave the same
+rows as M = 650 (row invariance) and the max error vs torch (the Router: vs float64).
+
+    python3 bench/bench_dense.py --out $OUT/dense.json                     # sets a, b, c; < 90 s
+    python3 bench/bench_dense.py --configs r1 --fp32-configs ieee_r1,ieee64 --out $OUT/d2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from _util import environment, write_json
+
+from ddserve.kernels import invariant_configs
+from ddserve.kernels.invariant_ref import bmm_heads_ref, linear_ref, rms_norm_ref
+
+M_LIST = [1, 8, 17, 40, 85, 136, 170, 330, 520, 650]
+H, D = 8, 7168  # heads per rank, hidden size
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
+# name -> (kind, N, K); linear weights are [N, K]; "bmm_uk" x [T, H, 128] @ [H, 128, 512],
+# "bmm_uv" x [T, H, 512] @ [H, 128, 512]^T; "rms" has width K.
+OPS = {
+    "q_a 7168->1536": ("linear", 1536, D),
+    "kv_a 7168->576": ("linear", 576, D),
+    "q_b 1536->1536": ("linear", 1536, 1536),
+    "absorb_uk 8x128->512": ("bmm_uk", 512, 128),
+    "absorb_uv 8x512->128": ("bmm_uv", 128, 512),
+    "o_proj 1024->7168": ("linear", D, 1024),
+    "shared gate|up 7168->256": ("linear", 256, D),
+    "shared down 256->7168": ("linear", D, 256),
+    "dense gate|up 7168->2304": ("linear", 2304, D),
+    "dense down 2304->7168": ("linear", D, 2304),
+    "router fp32 7168->384": ("router", 384, D),
+    "lm_head 7168->20480": ("linear", 20480, D),
+    "rms_norm 7168": ("rms", 0, D),
+    "rms_norm 1536": ("rms", 0, 1536),
+    "rms_norm 512 (strided)": ("rms", 0, 512),
+}
+
+
+def make_inputs(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, tuple]:
+    """x [650, ...] and the op's other arguments, on CUDA."""
+    mmax, dt = max(M_LIST), torch.bfloat16
+
+    def r(*shape, dtype=dt, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+    if kind == "linear":
+        return r(mmax, k), (r(n, k, scale=k**-0.5),)
+    if kind == "router":
+        return r(mmax, k, dtype=torch.float32), (r(n, k, dtype=torch.float32, scale=k**-0.5),)
+    if kind == "bmm_uk":
+        return r(mmax, H, k), (r(H, k, n, scale=k**-0.5),)
+    if kind == "bmm_uv":
+        return r(mmax, H, k), (r(H, n, k, scale=k**-0.5).transpose(1, 2),)
+    x = r(mmax, k + 64, scale=3.0)[:, :k] if "strided" in kind else r(mmax, k, scale=3.0)
+    return x, (r(k), 1e-6)
+
+
+def fns(kind: str) -> tuple[Callable, Callable]:
+    from ddserve.kernels import invariant
+
+    if kind in ("linear", "router"):
+        return invariant.linear, linear_ref
+    if kind.startswith("bmm"):
+        return invariant.bmm_heads, bmm_heads_ref
+    return invariant.rms_norm, rms_norm_ref
+
+
+def graph_us(fn: Callable[[], torch.Tensor]) -> float:
+    """Median GPU microseconds of one replay of fn captured in a CUDA graph."""
+    import triton.testing
+
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = triton.testing.do_bench(g.replay, warmup=5, rep=12, return_mode="median")
+    del g
+    return ms * 1000
+
+
+def op_cost(kind: str, n: int, k: int, m: int, w: torch.Tensor) -> tuple[int, int]:
+    """(bytes that must move at least once, flops) for M rows."""
+    if kind == "rms":
+        return 2 * m * k * 2, 0
+    heads = H if kind.startswith("bmm") else 1
+    return w.numel() * w.element_size(), 2 * m * n * k * heads
+
+
+def run_variant(name, kind, n, k, x, args, fn, ref_full, deadline) -> dict:
+    """Times fn at every M; checks rows vs the M = 650 run and the error vs the reference."""
+    full = fn(x, *args)
+    res: dict = {"us": {}, "GBps": {}, "TFLOPs": {}, "differing_m": []}
+    err_ref = ref_full.double() if kind != "router" else (x.double() @ args[0].double().T)
+    res["max_abs_err"] = float((full.double() - err_ref).abs().max())
+    for m in M_LIST:
+        if time.time() > deadline:
+            res["skipped_m"] = [mm for mm in M_LIST if mm not in res["us"]]
+            break
+        xm = x[:m]
+        if not torch.equal(fn(xm, *args), full[:m]):
+            res["differing_m"].append(m)
+        us = graph_us(lambda xm=xm: fn(xm, *args))
+        nbytes, flops = op_cost(kind, n, k, m, args[0])
+        res["us"][m] = round(us, 2)
+        res["GBps"][m] = round(nbytes / us / 1e3, 1)
+        res["TFLOPs"][m] = round(flops / us / 1e6, 2)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="a,b,c", help="16-bit sets: r1,a,b,c")
+    ap.add_argument("--fp32-configs", default="ieee,ieee64,tf32x3", help="ieee_r1,ieee,...")
+    ap.add_argument("--ops", default="", help="comma-separated substrings of op names")
+    ap.add_argument("--budget", type=float, default=85.0, help="seconds; later work is skipped")
+    ap.add_argument("--m", default="", help="comma-separated row counts (default: the K2.6 list)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.m:
+        M_LIST[:] = [int(m) for m in a.m.split(",")]
+    t0 = time.time()
+    deadline = t0 + a.budget
+    dense_sets, fp32_sets = a.configs.split(","), a.fp32_configs.split(",")
+    for s in dense_sets:
+        invariant_configs.set_configs(dense=s)
+    for s in fp32_sets:
+        invariant_configs.set_configs(fp32=s)
+    wanted = [o for o in OPS if not a.ops or any(p in o for p in a.ops.split(","))]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    inputs = {o: make_inputs(OPS[o][0], OPS[o][1], OPS[o][2], g) for o in wanted}
+    refs = {o: fns(OPS[o][0])[1](inputs[o][0], *inputs[o][1]) for o in wanted}
+    out: dict = {"env": environment(), "m_list": M_LIST, "configs": {}, "ops": {}}
+    # variants outermost, so a budget cut leaves whole variants comparable
+    variants = [("torch", None)] + [(f"triton:{s}", ("dense", s)) for s in dense_sets]
+    variants += [(f"triton:{s}", ("fp32", s)) for s in fp32_sets]
+    for vname, sel in variants:
+        if sel:
+            invariant_configs.set_configs(**{sel[0]: sel[1]})
+        for o in wanted:
+            kind, n, k = OPS[o]
+            if sel and (kind == "router") != (sel[0] == "fp32"):
+                continue
+            if sel and kind == "rms" and sel[1] != dense_sets[0]:
+                continue  # rms_norm has one configuration: time it once
+            rec = out["ops"].setdefault(o, {"kind": kind, "n": n, "k": k})
+            if time.time() > deadline:
+                rec.setdefault("skipped", []).append(vname)
+                continue
+            x, args = inputs[o]
+            fast, ref = fns(kind)
+            if sel and kind != "rms":
+                w = args[0]
+                heads = H if kind.startswith("bmm") else 1
+                cfg = invariant_configs.mm_config(n, k, w.dtype, heads)
+                out["configs"].setdefault(vname, {})[o] = cfg._asdict()
+            try:
+                rec[vname] = run_variant(o, kind, n, k, x, args, fast if sel else ref, refs[o],
+                                         deadline)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - one broken config must not stop the sweep
+                rec[vname] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            r = rec[vname]
+            print(f"{o:28s} {vname:16s} " + (r.get("error") or " ".join(
+                f"{m}:{us:.0f}" for m, us in r["us"].items())), flush=True)  # fmt: skip
+    out["summary"] = summary(out["ops"])
+    out["seconds"] = round(time.time() - t0, 1)
+    write_json(a.out, out)
+
+
+def summary(ops: dict) -> dict:
+    """op -> variant -> 'us at M=1 / 136 / 520 (x torch)' for a quick read."""
+    res = {}
+    for o, rec in ops.items():
+        base = rec.get("torch", {}).get("us", {})
+        row = {}
+        for v, r in rec.items():
+            if not isinstance(r, dict) or "us" not in r:
+                continue
+            parts = []
+            for m in (1, 136, 520):
+                if m in r["us"]:
+                    ratio = r["us"][m] / base[m] if base.get(m) else float("nan")
+                    parts.append(f"M{m} {r['us'][m]:.1f}us x{ratio:.2f}")
+            inv = "" if v == "torch" or not r["differing_m"] else f" DIFFERS at {r['differing_m']}"
+            row[v] = "; ".join(parts) + inv
+        res[o] = row
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Launch configurations of the batch-invariant matmul (`invariant._mm_kernel`).
+
+A configuration is a function of the weight's shape (N, K, heads) and dtype only -- never of the
+row count M, or a row's arithmetic (tile sizes, K split) would depend on the batch. Everything
+here must therefore stay fixed while a model serves: AR steps and DDTree verify forwards must
+run the same configuration.
+
+Candidate sets (chosen by `set_configs` or the environment variables DDSERVE_INVARIANT_CONFIGS
+and DDSERVE_INVARIANT_FP32; bench/bench_dense.py times them against each other on the GPU):
+
+16-bit weights (bf16 / fp16, tensor-core MMA, fp32 accumulation):
+- "r1": round 1 (narrow BLOCK_N for bandwidth at small M, BLOCK_K 128, 4 warps, 3 stages).
+- "a": BLOCK_M 64 (one warpgroup MMA), BLOCK_N 128 for wide weights else 64, BLOCK_K 64,
+  4 warps, 4 stages; K split to about 128 programs at M = 1 (the default).
+- "b": BLOCK_M 128 / 8 warps for large weights (N*K >= 8M: lm_head, q_a, o_proj, dense MLP),
+  BLOCK_N 128, BLOCK_K 64, 4 stages: best tensor-core use at M >= 128, twice the padded MMA
+  work at M = 1.
+- "c": BLOCK_M 64, BLOCK_N 256 / 8 warps for very wide weights (N >= 8192), 128 for N >= 2048,
+  3 stages; K split to about 264 programs (two per SM) at M = 1.
+fp32 weights (the Router's gate):
+- "ieee_r1": round 1 (32 x 32 x 32 tiles, fp32 FMA, no split for narrow K).
+- "ieee": exact fp32 FMA, 32 x 32 x 32 tiles, K split up to 16 ways (the default).
+- "ieee64": exact fp32 FMA, 64 x 64 x 16 tiles, K split up to 32 ways.
+- "tf32x3": three tf32 tensor-core MMAs per tile (hi*hi + hi*lo + lo*hi, about fp32 accuracy,
+  not bitwise equal to torch's fp32 but row-invariant like every configuration here).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+
+class MMConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int  # K ranges whose fp32 partials are summed in range order (1: no split)
+    warps: int
+    stages: int
+    precision: str  # tl.dot input_precision for fp32 inputs ("ieee" / "tf32x3"); unused for 16-bit
+
+
+def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> int:
+    """Smallest power of two split that gives about `target` programs at M = 1, each K range at
+    least `min_k` long: a function of the weight only."""
+    split = 1
+    while split < max_split and programs * split < target and k >= 2 * split * min_k:
+        split *= 2
+    return split
+
+
+def _r1(n: int, k: int, heads: int) -> MMConfig:
+    bn = 16 if n <= 1024 else 32 if n <= 8192 else 64
+    bk = 128 if k >= 128 else 64
+    return MMConfig(64, bn, bk, _split(heads * triton.cdiv(n, bn), k, 128, 8, 512), 4, 3, "")
+
+
+def _a(n: int, k: int, heads: int) -> MMConfig:
+    bn = 128 if n >= 4096 else 64
+    return MMConfig(64, bn, 64, _split(heads * triton.cdiv(n, bn), k, 128, 8, 256), 4, 4, "")
+
+
+def _b(n: int, k: int, heads: int) -> MMConfig:
+    big = n * k >= 8 * 2**20
+    bm, bn = (128, 128) if big else (64, 128 if n >= 1024 else 64)
+    split = _split(heads * triton.cdiv(n, bn), k, 132, 8, 512)
+    return MMConfig(bm, bn, 64, split, 8 if big else 4, 4, "")
+
+
+def _c(n: int, k: int, heads: int) -> MMConfig:
+    bn = 256 if n >= 8192 else 128 if n >= 2048 else 64
+    split = _split(heads * triton.cdiv(n, bn), k, 264, 8, 256)
+    return MMConfig(64, bn, 64, split, 8 if bn == 256 else 4, 3, "")
+
+
+def _ieee_r1(n: int, k: int, heads: int) -> MMConfig:
+    bn = 32 if n > 1024 else 16
+    return MMConfig(32, bn, 32, _split(heads * triton.cdiv(n, bn), k, 128, 8, 512), 4, 3, "ieee")
+
+
+def _ieee(n: int, k: int, heads: int) -> MMConfig:
+    split = _split(heads * triton.cdiv(n, 32), k, 160, 16, 256)
+    return MMConfig(32, 32, 32, split, 4, 3, "ieee")
+
+
+def _ieee64(n: int, k: int, heads: int) -> MMConfig:
+    split = _split(heads * triton.cdiv(n, 64), k, 160, 32, 128)
+    return MMConfig(64, 64, 16, split, 4, 3, "ieee")
+
+
+def _tf32x3(n: int, k: int, heads: int) -> MMConfig:
+    split = _split(heads * triton.cdiv(n, 64), k, 160, 16, 256)
+    return MMConfig(64, 64, 32, split, 4, 3, "tf32x3")
+
+
+DENSE_SETS = {"r1": _r1, "a": _a, "b": _b, "c": _c}
+FP32_SETS = {"ieee_r1": _ieee_r1, "ieee": _ieee, "ieee64": _ieee64, "tf32x3": _tf32x3}
+_current = {
+    "dense": os.environ.get("DDSERVE_INVARIANT_CONFIGS", "a"),
+    "fp32": os.environ.get("DDSERVE_INVARIANT_FP32", "ieee"),
+}
+
+
+def set_configs(dense: str | None = None, fp32: str | None = None) -> None:
+    """Select the candidate set for 16-bit and / or fp32 weights (benchmarks only: a serving
+    process must not switch between its AR and verify forwards)."""
+    if dense is not None and dense not in DENSE_SETS:
+        raise ValueError(f"unknown dense config set {dense!r}; have {sorted(DENSE_SETS)}")
+    if fp32 is not None and fp32 not in FP32_SETS:
+        raise ValueError(f"unknown fp32 config set {fp32!r}; have {sorted(FP32_SETS)}")
+    _current.update({k: v for k, v in (("dense", dense), ("fp32", fp32)) if v is not None})
+
+
+def current_configs() -> dict[str, str]:
+    return dict(_current)
+
+
+def mm_config(n: int, k: int, dtype: torch.dtype, heads: int = 1) -> MMConfig:
+    """The launch configuration for a [heads, K, N] weight of `dtype` in the current sets."""
+    if dtype == torch.float32:
+        return _cached(FP32_SETS[_current["fp32"]], n, k, heads)
+    return _cached(DENSE_SETS[_current["dense"]], n, k, heads)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached(fn, n: int, k: int, heads: int) -> MMConfig:
+    return fn(n, k, heads)
