@@ -20,31 +20,42 @@ import time
 import torch
 from _util import copy_bandwidth_gbs, device, environment, rel_err, time_ms, write_json
 
+from ddserve.kernels import moe_triton_v2
 from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
 from ddserve.kernels.moe_triton import _pick_bm, align_by_expert, fused_moe
 
 RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T = 1)
 # (name, config, invariant), in priority order (a run out of budget drops the last ones)
-VARIANTS = [
+V2 = {"variant": "v2"}
+VARIANTS = [  # defaults since round 2: BN1=64 W1=8 SPLIT=4 KW1=16 BN2=64 KW2=32, no atomics
     ("v1", {"variant": "v1"}, False),
-    ("v2", {"variant": "v2"}, False),
-    ("v2-inv", {"variant": "v2"}, True),
-    ("v2-noasm", {"variant": "v2", "ASM": False}, False),
-    ("v2-inv-noasm", {"variant": "v2", "ASM": False}, True),
-    ("v2-noprefetch", {"variant": "v2", "PREFETCH": False}, False),
-    ("v2-inv-noprefetch", {"variant": "v2", "PREFETCH": False}, True),
-    ("v2-split1", {"variant": "v2", "SPLIT": 1}, False),
-    ("v2-split2", {"variant": "v2", "SPLIT": 2}, False),
-    ("v2-split8", {"variant": "v2", "SPLIT": 8}, False),
-    ("v2-inv-split8", {"variant": "v2", "SPLIT": 8}, True),
-    ("v2-inv-kw32", {"variant": "v2", "KW1": 32}, True),
-    ("v2-inv-s4", {"variant": "v2", "S1": 4, "S2": 3}, True),
-    ("v2-inv-bn64-w8", {"variant": "v2", "BN1": 64, "W1": 8}, True),
-    ("v2-inv-w8", {"variant": "v2", "W1": 8, "W2": 8}, True),
-    ("v2-kw32-split8", {"variant": "v2", "KW1": 32, "SPLIT": 8}, False),
-    ("v2-inv-bn2-128-kw2-16", {"variant": "v2", "BN2": 128, "KW2": 16}, True),
-    ("v2-inv-bn2-128-kw2-32-w8", {"variant": "v2", "BN2": 128, "KW2": 32, "W2": 8}, True),
-    ("v2-inv-kw32-w8", {"variant": "v2", "KW1": 32, "W1": 8}, True),
+    ("v2", V2, False),
+    ("v2-inv", V2, True),
+    ("v2-tuned", {**V2, "TUNED": True}, False),  # round-1 non-invariant default (atomics)
+    ("v2-inv-noasm", {**V2, "ASM": False}, True),
+    ("v2-inv-noprefetch", {**V2, "PREFETCH": False}, True),
+    ("v2-inv-bn32-w4", {**V2, "BN1": 32, "W1": 4}, True),  # round-1 invariant default
+    ("v2-inv-split2", {**V2, "SPLIT": 2}, True),
+    ("v2-inv-split8", {**V2, "SPLIT": 8}, True),
+    ("v2-inv-kw32", {**V2, "KW1": 32}, True),
+    ("v2-inv-bn32-kw32-w4", {**V2, "BN1": 32, "KW1": 32, "W1": 4}, True),
+    ("v2-inv-bn32-kw64-w8", {**V2, "BN1": 32, "KW1": 64, "W1": 8}, True),
+    ("v2-inv-bn128-w8", {**V2, "BN1": 128, "W1": 8}, True),
+    ("v2-inv-s4", {**V2, "S1": 4, "S2": 3}, True),
+    ("v2-inv-w2-8", {**V2, "BN2": 128, "KW2": 32, "W2": 8}, True),
+]
+ABLATE_RATIOS = [8 / 384, 1, 4]  # T = 1, 48, 192
+# (name, config): leave one stage out of the default invariant path (results are wrong on purpose)
+ABLATIONS = [
+    ("full", {}),
+    ("load_only", {"ABLATE": "load_only"}),
+    ("no_mma", {"ABLATE": "no_mma"}),
+    ("fake_dequant", {"ABLATE": "fake_dequant"}),
+    ("load_only-kw32", {"ABLATE": "load_only", "KW1": 32}),
+    ("load_only-bn32-kw64", {"ABLATE": "load_only", "BN1": 32, "KW1": 64}),
+    ("load_only-split8", {"ABLATE": "load_only", "SPLIT": 8}),
+    ("full-kw32", {"KW1": 32}),
+    ("full-bn32-kw64-w8", {"BN1": 32, "KW1": 64, "W1": 8}),
 ]
 
 
@@ -61,11 +72,35 @@ def make_weights(e: int, h: int, i: int, dev: torch.device) -> ExpertWeights:
     return ExpertWeights(w13_packed=w13p, w13_scale=s13, w2_packed=w2p, w2_scale=s2)
 
 
+def kernel_breakdown(call, n: int = 10) -> dict:
+    """Mean microseconds per call of each CUDA kernel (torch profiler, eager calls); {} when
+    the profiler cannot trace (e.g. no CUPTI)."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                call()
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us:
+                key = ev.key if len(ev.key) < 60 else ev.key[:57] + "..."
+                out[key] = out.get(key, 0.0) + us / n
+        return out
+    except Exception as exc:  # noqa: BLE001 - profiler unavailable in this runtime
+        return {"error": repr(exc)[:200]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
     ap.add_argument("--variants", action="store_true", help="time every variant, not just default")
+    ap.add_argument("--ablate", action="store_true", help="leave-one-stage-out runs at T=1,48,192")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     ap.add_argument("--budget", type=float, default=115.0, help="seconds for the kernel sweep")
     ap.add_argument("--rep", type=int, default=40, help="do_bench milliseconds per timing")
@@ -82,7 +117,8 @@ def main() -> None:
                variants=[dict(name=n, config=c, invariant=v) for n, c, v in VARIANTS])  # fmt: skip
     print(f"copy bandwidth {bw:.0f} GB/s; one expert {expert_bytes / 1e6:.3f} MB")
     rows = []
-    for ratio in RATIOS[2:4] if args.smoke else RATIOS:
+    ratios = ABLATE_RATIOS if args.ablate else RATIOS
+    for ratio in ratios[1:3] if args.smoke else ratios:
         t = max(1, round(ratio * e / k))
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
         ids = torch.rand(t, e, device=dev).topk(k, dim=1).indices
@@ -90,12 +126,24 @@ def main() -> None:
         distinct = int(torch.unique(ids).numel())
         nbytes = distinct * expert_bytes + 2 * t * h * 2
         bm = _pick_bm(t * k, e)
-        row = dict(tokens_per_expert=ratio, T=t, distinct_experts=distinct, bytes=nbytes)
+        row = dict(
+            tokens_per_expert=ratio,
+            T=t,
+            distinct_experts=distinct,
+            bytes=nbytes,
+            up_bytes=distinct * (w.w13_packed[0].nbytes + w.w13_scale[0].nbytes),
+            down_bytes=distinct * (w.w2_packed[0].nbytes + w.w2_scale[0].nbytes),
+        )
         row["align_ms"] = time_ms(lambda ids=ids, bm=bm: align_by_expert(ids, e, bm), rep=args.rep)
         row["results"] = {}
         rows.append((row, x, ids, tw, moe_ref(x, ids, tw, w)))
         res["rows"].append(row)
-    for name, cfg, inv in VARIANTS if args.variants else VARIANTS[1:3]:
+    if args.ablate:
+        todo = [(n, {**V2, **c}, True) for n, c in ABLATIONS]
+        res["variants"] = [dict(name=n, config=c, invariant=v) for n, c, v in todo]
+    else:
+        todo = VARIANTS if args.variants else VARIANTS[1:3]
+    for name, cfg, inv in todo:
         for row, x, ids, tw, ref in rows:
             if time.perf_counter() - start > args.budget:
                 row["results"][name] = dict(skipped="time budget")
@@ -108,6 +156,10 @@ def main() -> None:
                 ms = time_ms(call, rep=args.rep)
                 gbs = row["bytes"] / ms / 1e6
                 r = dict(us=ms * 1e3, gbs=gbs, frac_of_copy=gbs / bw, err=err)
+                r["launch"] = {n: dict(v) for n, v in moe_triton_v2.LAST_LAUNCH.items()}
+                if args.ablate and name in ("full", "load_only"):
+                    r["kernels_us"] = kernel_breakdown(call)
+                    print(f"  kernels (us): {r['kernels_us']}")
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
                 r = dict(error=repr(exc)[:300])
             row["results"][name] = r
@@ -116,7 +168,9 @@ def main() -> None:
                 f"err {r['err']:.1e}"
             )  # fmt: skip
             print(f"{name:16s} T={row['T']:4d} experts={row['distinct_experts']:3d} {msg}")
-    for row, *_ in rows:
+            if "launch" in r:
+                print(f"  launch: {r['launch']}")
+    for row, *_ in [] if args.ablate else rows:
         done = {n: r for n, r in row["results"].items() if "us" in r}
         if done:
             best = min(done, key=lambda n: done[n]["us"])
@@ -125,7 +179,7 @@ def main() -> None:
             if inv_done:
                 bi = min(inv_done, key=lambda n: inv_done[n]["us"])
                 row["best_invariant"], row["best_invariant_us"] = bi, inv_done[bi]["us"]
-    if not args.no_torch:
+    if not (args.no_torch or args.ablate):
         for row, x, ids, tw, _ in rows[:2]:
             if time.perf_counter() - start > args.budget + 10:
                 break
@@ -133,8 +187,6 @@ def main() -> None:
                 lambda x=x, ids=ids, tw=tw: moe_ref(x, ids, tw, w), graph=False, rep=args.rep
             )
             print(f"torch reference T={row['T']}: {row['torch_ms']:.2f} ms")
-    from ddserve.kernels import moe_triton_v2
-
     res["asm_error"] = moe_triton_v2.ASM_ERROR  # None unless the asm dequant failed to compile
     res["seconds"] = time.perf_counter() - start
     write_json(args.out, res)
