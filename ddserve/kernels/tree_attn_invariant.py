@@ -1,0 +1,245 @@
+"""Batch-invariant, AR-consistent tree-verify MLA attention (`tree_mla_attention(invariant=True)`).
+
+Every row is computed from its own key sequence in position order: positions p < plen are its
+block's prefix slots, position plen + k is the k-th visible block token of its block-mask row (its
+path root..itself). Key tiles (BN) and splits (SPLIT) sit at fixed multiples in position space and
+one configuration serves every call, so a row's arithmetic depends on nothing but its query and
+its ordered keys: a verify row equals the AR decode row of the same token bit for bit, whatever
+else is batched. Splits are merged in split order by `_combine_kernel`; when the host shapes fit
+one split (P_max + Q_max <= SPLIT) the kernel writes the output itself, which is bitwise what the
+merge of one split gives (o * 1 + 0, then o / 1).
+
+Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
+fp32 accumulator share 255 registers per thread. Round 1's BM=64 BN=64 8 warps spilled ~4 KB per
+thread (and ran ~9 us per key tile per program: a fixed ~140 us at SPLIT=1024); BM=16 BN=32 at
+8 warps needs 208 registers, no spill; BM=16 BN=16 4 warps 227, no spill; BM=32 BN=32 8 warps
+spills 56 B. BM=16 holds two tokens of 8 heads, so the per-token tail loop is two iterations.
+`PRESETS` are the configurations bench_tree_attn.py times against each other on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ddserve.kernels.tree_attn import TreeAttnMeta
+
+
+@triton.jit
+def _online_update(m, l_sum, acc, sc, c):
+    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, R] into (m, l, acc)."""
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _key_tile(
+    q, qp, kv_ptr, slot, kok, vis, m, l_sum, acc, scale_log2, stride_kv,
+    R: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    """Load the keys at `slot` [BN] and fold them into the rows' state where `vis` [BM, BN].
+    The one score + update code of the invariant mode: shared and per-token tiles both call it."""
+    dr = tl.arange(0, R)
+    dp = tl.arange(0, P)
+    c = tl.load(kv_ptr + slot[:, None] * stride_kv + dr[None, :], mask=kok[:, None], other=0.0)
+    kp = tl.load(kv_ptr + slot[:, None] * stride_kv + R + dp[None, :], mask=kok[:, None], other=0.0)
+    sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
+    sc = tl.where(vis, sc * scale_log2, float("-inf"))
+    return _online_update(m, l_sum, acc, sc, c)
+
+
+@triton.jit
+def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
+    """[BN] block index of the rank-th (0-based) visible block token of one row (0 if none)."""
+    idx = tl.zeros([BN], dtype=tl.int32)
+    base = tl.zeros([], dtype=tl.int32)
+    for i0 in range(0, qlen, BN):
+        ii = i0 + tl.arange(0, BN)
+        v = tl.load(mask_ptr + row_off + ii, mask=ii < qlen, other=0).to(tl.int32)  # [BN]
+        cum = tl.cumsum(v, 0) + base  # inclusive visible count up to each block token
+        hit = (cum[None, :] == rank[:, None] + 1) & (v[None, :] != 0)  # [BN keys, BN tokens]
+        idx += tl.sum(tl.where(hit, ii[None, :], 0), 1).to(tl.int32)
+        base += tl.sum(v, 0)
+    return idx
+
+
+# One binary for every call: no value specialisation of the shape-dependent integers.
+@triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
+def _tree_attn_inv_kernel(
+    ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
+    q_starts_ptr, q_lens_ptr, pslots_ptr, plens_ptr, bslots_ptr, mask_ptr,
+    scale_log2, tiles, nsplit,
+    stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
+    stride_ps, stride_mb, stride_mq,
+    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
+    rows; the tail tiles are done once per token with that token's keys (same `_key_tile`)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // tiles
+    tile = pid % tiles
+    q0 = tl.load(q_starts_ptr + b)
+    qlen = tl.load(q_lens_ptr + b)
+    plen = tl.load(plens_ptr + b)
+    s0 = split * SPLIT
+    # Nothing to do: no rows here, or the split starts past every row's keys (plse stays -inf).
+    if (tile * BM >= qlen * H) | (s0 >= plen + qlen):
+        return
+    r = tile * BM + tl.arange(0, BM)  # [BM] (row, head) pairs of this block
+    qrow = r // H
+    head = r % H
+    row_ok = qrow < qlen
+    t = q0 + qrow
+    dr = tl.arange(0, R)
+    dp = tl.arange(0, P)
+    q_off = t[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(ql_ptr + q_off + dr[None, :], mask=row_ok[:, None], other=0.0)  # [BM, R]
+    r_off = t[:, None] * stride_rt + head[:, None] * stride_rh
+    qp = tl.load(qr_ptr + r_off + dp[None, :], mask=row_ok[:, None], other=0.0)  # [BM, P]
+    m_row = mask_ptr + b * stride_mb
+    cnt = tl.zeros([BM], dtype=tl.int32)  # visible block tokens of each row = its depth + 1
+    for i0 in range(0, qlen, BN):
+        ii = i0 + tl.arange(0, BN)
+        v = tl.load(
+            m_row + qrow[:, None] * stride_mq + ii[None, :],
+            mask=row_ok[:, None] & (ii < qlen)[None, :],
+            other=0,
+        )  # [BM, BN]
+        cnt += tl.sum(v.to(tl.int32), 1)
+    nrow = tl.where(row_ok, plen + cnt, 0)  # [BM] keys of each row
+    s1 = tl.minimum(s0 + SPLIT, tl.max(nrow, 0))
+    pfull = (plen // BN) * BN
+    m = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_sum = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, R], dtype=tl.float32)
+    for n0 in range(s0, tl.minimum(s1, pfull), BN):  # whole tiles of prefix keys: shared
+        kidx = n0 + tl.arange(0, BN)
+        slot = tl.load(pslots_ptr + b * stride_ps + kidx).to(tl.int64)
+        vis = row_ok[:, None] & (kidx[None, :] < nrow[:, None])
+        m, l_sum, acc = _key_tile(
+            q, qp, kv_ptr, slot, kidx < plen, vis, m, l_sum, acc, scale_log2, stride_kv, R, P
+        )
+    tok0 = (tile * BM) // H
+    tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
+    for n0 in range(tl.maximum(s0, pfull), s1, BN):  # tail tiles: each token's own keys
+        kidx = n0 + tl.arange(0, BN)
+        for j in range(tok0, tok1):
+            nj = plen + tl.max(tl.where(qrow == j, cnt, 0), 0)
+            if nj > n0:
+                kok = kidx < nj
+                in_pre = kidx < plen
+                blk = _path_index(mask_ptr, b * stride_mb + j * stride_mq, kidx - plen, qlen, BN)
+                ps = tl.load(pslots_ptr + b * stride_ps + kidx, mask=in_pre, other=0)
+                bs = tl.load(bslots_ptr + q0 + blk, mask=kok & ~in_pre, other=0)
+                slot = tl.where(in_pre, ps, bs).to(tl.int64)
+                vis = (qrow == j)[:, None] & kok[None, :]
+                m, l_sum, acc = _key_tile(
+                    q, qp, kv_ptr, slot, kok, vis, m, l_sum, acc, scale_log2, stride_kv, R, P
+                )
+    res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
+    if nsplit == 1:  # runtime branch (one binary): the merge of a single split is res itself
+        o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
+        prow = (t * H + head) * nsplit + split  # partials are [T, H, nsplit, (R)]
+        tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
+        tl.store(plse_ptr + prow, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _combine_kernel(
+    po_ptr, plse_ptr, out_ptr, stride_ot, stride_oh, NSPLIT,
+    H: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """Merge a row's split partials in split order; empty splits (lse = -inf) are skipped."""
+    row = tl.program_id(0)  # t * H + head
+    t = row // H
+    head = row % H
+    dr = tl.arange(0, R)
+    m = tl.full([], -1.0e30, dtype=tl.float32)
+    den = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([R], dtype=tl.float32)
+    for s in range(NSPLIT):
+        lse = tl.load(plse_ptr + row * NSPLIT + s)
+        if lse > float("-inf"):
+            o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha + o * w
+            den = den * alpha + w
+            m = m_new
+    res = acc / tl.maximum(den, 1.0e-30)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
+
+
+# Fixed configurations (SPLIT: keys per split, a multiple of BN). One of them serves every call
+# of a serving process: a row's arithmetic then depends on nothing but its query and its keys.
+PRESETS = {
+    "r1": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024),  # round 1 (spills)
+    "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512),
+    "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256),
+    "m16s1k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=1024),
+    "m16s2k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=2048),
+    "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512),
+    "m16n32w4": dict(BM=16, BN=32, num_warps=4, num_stages=3, SPLIT=512),
+    "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512),
+    "m32s1k": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=1024),
+}
+DEFAULT_PRESET = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", "m16")
+INVARIANT_CONFIG = dict(PRESETS[DEFAULT_PRESET])
+
+
+def tree_mla_attention_invariant(
+    q_latent: torch.Tensor,  # [T, H, R]
+    q_rope: torch.Tensor,  # [T, H, P]
+    kv_cache: torch.Tensor,  # [S, R + P]
+    meta: TreeAttnMeta,
+    softmax_scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:  # [T, H, R]
+    """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
+    `config` overrides INVARIANT_CONFIG (a preset name or a dict of BM, BN, num_warps,
+    num_stages, SPLIT); the engine must use one configuration for all its calls."""
+    t, h, r = q_latent.shape
+    cfg = dict(INVARIANT_CONFIG)
+    cfg.update(PRESETS[config] if isinstance(config, str) else (config or {}))
+    assert cfg["SPLIT"] % cfg["BN"] == 0
+    nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
+    tiles = triton.cdiv(q_max * h, cfg["BM"])
+    nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, cfg["SPLIT"])  # host shapes only
+    if nsplit == 1 or t == 0 or nblocks == 0:
+        out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
+        po = plse = out  # unused placeholders
+    else:
+        out = torch.empty_like(q_latent)  # the merge writes every row (0 where no split ran)
+        po = torch.empty(t, h, nsplit, r, dtype=torch.float32, device=q_latent.device)
+        plse = torch.full((t, h, nsplit), float("-inf"), dtype=torch.float32, device=out.device)
+    if t == 0 or nblocks == 0:
+        return out
+    mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
+    pslots = meta.prefix_slots
+    _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
+        q_latent, q_rope, kv_cache, out, po, plse,
+        meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
+        softmax_scale * math.log2(math.e), tiles, nsplit,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
+        mask.stride(1),
+        H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if nsplit > 1:
+        _combine_kernel[(t * h,)](po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r)
+    return out
