@@ -7,6 +7,7 @@ import torch
 from _tree_inputs import ar_meta, random_meta, select_blocks
 
 from ddserve.kernels.tree_attn import causal_mask, tree_mla_attention_ref
+from ddserve.kernels.tree_attn_invariant import PRESETS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need CUDA")
 
@@ -82,12 +83,16 @@ def test_long_prefix_32k(invariant):
 
 
 # ---- invariant mode: bit-for-bit AR consistency and batch invariance (tensor-core math) -------
-# Prefixes and trees around the 64-key tiles and 1024-key splits of INVARIANT_CONFIG.
+# Prefixes and trees around the key tiles (16..64) and splits (256..2048) of the PRESETS.
 AR_CASES = [
     ([0], [1]),
     ([0], [65]),
+    ([31], [2]),
     ([63], [17]),
     ([64], [33]),
+    ([255], [40]),
+    ([500], [20]),
+    ([512], [1]),
     ([1000], [129]),
     ([1023], [9]),
     ([1024], [2]),
@@ -105,7 +110,7 @@ def _diff_report(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", AR_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
-def test_invariant_tree_rows_equal_ar_rows(case, causal):
+def test_invariant_tree_rows_equal_ar_rows(case, causal, config=None):
     """Each verify row == the row of the same token decoded autoregressively (q_len 1 with its
     path in the prefix), bit for bit; the AR rows batched together, as the engine would."""
     from ddserve.kernels.tree_attn_triton import tree_mla_attention
@@ -116,27 +121,46 @@ def test_invariant_tree_rows_equal_ar_rows(case, causal):
         q_max = meta.block_mask.shape[1]
         mask = torch.stack([causal_mask(q_max) for _ in qls])  # prefill chunks
         meta = type(meta)(**{**meta.__dict__, "block_mask": mask})
-    tree = tree_mla_attention(q_lat, q_pe, kv, meta.to("cuda"), SCALE, invariant=True)
-    ar = tree_mla_attention(q_lat, q_pe, kv, ar_meta(meta).to("cuda"), SCALE, invariant=True)
+    kw = dict(invariant=True, config=config)
+    tree = tree_mla_attention(q_lat, q_pe, kv, meta.to("cuda"), SCALE, **kw)
+    ar = tree_mla_attention(q_lat, q_pe, kv, ar_meta(meta).to("cuda"), SCALE, **kw)
     rep = _diff_report(tree, ar)
-    print(case, "causal" if causal else "tree", rep)
+    print(config, case, "causal" if causal else "tree", rep)
     assert rep["bad_rows"] == 0, rep
 
 
-def test_invariant_rows_do_not_depend_on_the_batch():
+def test_invariant_rows_do_not_depend_on_the_batch(config=None):
     """A stream's rows alone == in the batch == in other batches (other shapes, orders)."""
     from ddserve.kernels.tree_attn_triton import tree_mla_attention
 
     pls, qls = [0, 1500, 5, 9000, 0, 63], [17, 129, 1, 65, 33, 1]
     q_lat, q_pe, kv, meta = inputs(pls, qls, seed=11)
-    full = tree_mla_attention(q_lat, q_pe, kv, meta.to("cuda"), SCALE, invariant=True)
+    kw = dict(invariant=True, config=config)
+    full = tree_mla_attention(q_lat, q_pe, kv, meta.to("cuda"), SCALE, **kw)
     reps = {}
     for blocks in ([0], [1], [2], [3], [4], [5], [3, 0], [5, 2, 1], [4, 3, 2, 1, 0]):
         sub, rows = select_blocks(meta, blocks)
         rows = rows.cuda()
-        part = tree_mla_attention(
-            q_lat[rows], q_pe[rows], kv, sub.to("cuda"), SCALE, invariant=True
-        )
+        part = tree_mla_attention(q_lat[rows], q_pe[rows], kv, sub.to("cuda"), SCALE, **kw)
         reps[str(blocks)] = _diff_report(part, full[rows])
-    print(reps)
+    print(config, reps)
     assert all(r["bad_rows"] == 0 for r in reps.values()), reps
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_is_invariant_and_accurate(preset):
+    """Each fixed configuration the bench times (any may become the default): accurate, AR
+    rows bitwise on trees crossing its tiles and splits, and batch-invariant."""
+    checks = [
+        lambda: check([2047, 5, 600], [65, 1, 9], seed=8, config=preset, invariant=True),
+        lambda: test_invariant_tree_rows_equal_ar_rows(([0, 1023, 300], [33, 9, 2]), False, preset),
+        lambda: test_invariant_tree_rows_equal_ar_rows(([2100], [129]), False, preset),
+        lambda: test_invariant_rows_do_not_depend_on_the_batch(config=preset),
+    ]
+    failed = []
+    for i, fn in enumerate(checks):  # run all, report every failure
+        try:
+            fn()
+        except AssertionError as e:
+            failed.append(f"check {i}: {str(e)[:300]}")
+    assert not failed, failed
