@@ -10,15 +10,16 @@ and DDSERVE_INVARIANT_FP32; bench/bench_dense.py times them against each other o
 
 16-bit weights (bf16 / fp16, tensor-core MMA, fp32 accumulation):
 - "r1": round 1 (narrow BLOCK_N for bandwidth at small M, BLOCK_K 128, 4 warps, 3 stages).
-- "a": BLOCK_M 64 (one warpgroup MMA), BLOCK_N 128 for wide weights else 64, BLOCK_K 64,
-  4 warps, 4 stages; K split to about 128 programs at M = 1 (the default).
-- "b": BLOCK_M 128 / 8 warps for large weights (N*K >= 8M: lm_head, q_a, o_proj, dense MLP),
-  BLOCK_N 128, BLOCK_K 64, 4 stages: best tensor-core use at M >= 128, twice the padded MMA
-  work at M = 1.
+- "a": BLOCK_M 64 (one warpgroup MMA), BLOCK_N 128 for wide weights (N >= 4096, K >= 1024),
+  64 for N >= 1024, else 32; BLOCK_K 64, 4 warps, 4 stages; K split to at most 160 programs at
+  M = 1 (the default).
+- "b": BLOCK_M 128 / 8 warps for large weights (N*K >= 8M: lm_head, q_a, dense MLP), BLOCK_N
+  128, BLOCK_K 64, 4 stages: best tensor-core use at M >= 128, twice the padded MMA work at
+  M = 1.
 - "c": BLOCK_M 64, BLOCK_N 256 / 8 warps for very wide weights (N >= 8192), 128 for N >= 2048,
-  3 stages; K split to about 264 programs (two per SM) at M = 1.
+  3 stages; K split to at most 264 programs (two per SM) at M = 1.
 fp32 weights (the Router's gate):
-- "ieee_r1": round 1 (32 x 32 x 32 tiles, fp32 FMA, no split for narrow K).
+- "ieee_r1": round 1 (32 x 16 x 32 tiles for the Router, fp32 FMA, K split 8 ways).
 - "ieee": exact fp32 FMA, 32 x 32 x 32 tiles, K split up to 16 ways (the default).
 - "ieee64": exact fp32 FMA, 64 x 64 x 16 tiles, K split up to 32 ways.
 - "tf32x3": three tf32 tensor-core MMAs per tile (hi*hi + hi*lo + lo*hi, about fp32 accuracy,
@@ -46,10 +47,12 @@ class MMConfig(NamedTuple):
 
 
 def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> int:
-    """Smallest power of two split that gives about `target` programs at M = 1, each K range at
-    least `min_k` long: a function of the weight only."""
+    """Largest power-of-two split (<= max_split, K ranges >= min_k long) that keeps the program
+    count at M = 1 within `target`: enough programs to stream the weight at small M, while the
+    fp32 partials (M x N x split, written and read back) stay cheap at large M. A function of
+    the weight only."""
     split = 1
-    while split < max_split and programs * split < target and k >= 2 * split * min_k:
+    while split < max_split and programs * split * 2 <= target and k >= 2 * split * min_k:
         split *= 2
     return split
 
@@ -57,18 +60,21 @@ def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> in
 def _r1(n: int, k: int, heads: int) -> MMConfig:
     bn = 16 if n <= 1024 else 32 if n <= 8192 else 64
     bk = 128 if k >= 128 else 64
-    return MMConfig(64, bn, bk, _split(heads * triton.cdiv(n, bn), k, 128, 8, 512), 4, 3, "")
+    programs, split = heads * triton.cdiv(n, bn), 1  # round 1's rule: split up to >= 128
+    while split < 8 and programs * split < 128 and k >= 2 * split * 512:
+        split *= 2
+    return MMConfig(64, bn, bk, split, 4, 3, "")
 
 
 def _a(n: int, k: int, heads: int) -> MMConfig:
-    bn = 128 if n >= 4096 else 64
-    return MMConfig(64, bn, 64, _split(heads * triton.cdiv(n, bn), k, 128, 8, 256), 4, 4, "")
+    bn = 128 if n >= 4096 and k >= 1024 else 64 if n >= 1024 else 32
+    return MMConfig(64, bn, 64, _split(heads * triton.cdiv(n, bn), k, 160, 8, 256), 4, 4, "")
 
 
 def _b(n: int, k: int, heads: int) -> MMConfig:
     big = n * k >= 8 * 2**20
-    bm, bn = (128, 128) if big else (64, 128 if n >= 1024 else 64)
-    split = _split(heads * triton.cdiv(n, bn), k, 132, 8, 512)
+    bm, bn = (128, 128) if big else (64, 128 if n >= 4096 else 64 if n >= 1024 else 32)
+    split = _split(heads * triton.cdiv(n, bn), k, 160, 8, 512)
     return MMConfig(bm, bn, 64, split, 8 if big else 4, 4, "")
 
 
@@ -80,21 +86,24 @@ def _c(n: int, k: int, heads: int) -> MMConfig:
 
 def _ieee_r1(n: int, k: int, heads: int) -> MMConfig:
     bn = 32 if n > 1024 else 16
-    return MMConfig(32, bn, 32, _split(heads * triton.cdiv(n, bn), k, 128, 8, 512), 4, 3, "ieee")
+    programs, split = heads * triton.cdiv(n, bn), 1
+    while split < 8 and programs * split < 128 and k >= 2 * split * 512:
+        split *= 2
+    return MMConfig(32, bn, 32, split, 4, 3, "ieee")
 
 
 def _ieee(n: int, k: int, heads: int) -> MMConfig:
-    split = _split(heads * triton.cdiv(n, 32), k, 160, 16, 256)
+    split = _split(heads * triton.cdiv(n, 32), k, 200, 16, 256)
     return MMConfig(32, 32, 32, split, 4, 3, "ieee")
 
 
 def _ieee64(n: int, k: int, heads: int) -> MMConfig:
-    split = _split(heads * triton.cdiv(n, 64), k, 160, 32, 128)
+    split = _split(heads * triton.cdiv(n, 64), k, 200, 32, 128)
     return MMConfig(64, 64, 16, split, 4, 3, "ieee")
 
 
 def _tf32x3(n: int, k: int, heads: int) -> MMConfig:
-    split = _split(heads * triton.cdiv(n, 64), k, 160, 16, 256)
+    split = _split(heads * triton.cdiv(n, 64), k, 200, 32, 128)
     return MMConfig(64, 64, 32, split, 4, 3, "tf32x3")
 
 

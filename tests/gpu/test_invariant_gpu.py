@@ -62,6 +62,39 @@ def test_linear_rows_do_not_depend_on_m(name: str, n: int, k: int, dtype) -> Non
     torch.testing.assert_close(linear(x[:64], w).double(), expected, **tol)
 
 
+SET_SHAPES = [  # (name, N, K, dtype): one rank at tp = 8
+    ("lm_head", 20480, 7168, torch.bfloat16),
+    ("q_a_proj", 1536, 7168, torch.bfloat16),
+    ("dense_down", 7168, 2304, torch.bfloat16),
+    ("router_fp32", 384, 7168, torch.float32),
+]
+SET_M = [1, 2, 17, 63, 64, 65, 127, 128, 129, 257, 520, 599]
+
+
+@pytest.mark.parametrize("dense,fp32", [("b", "ieee64"), ("c", "tf32x3")])
+def test_candidate_config_sets_keep_rows_independent_of_m(dense: str, fp32: str) -> None:
+    """The non-default sets bench/bench_dense.py may pick: same bitwise row invariance."""
+    from ddserve.kernels import invariant
+
+    was = invariant.current_configs()
+    invariant.set_configs(dense=dense, fp32=fp32)
+    bad = {}
+    try:
+        for name, n, k, dtype in SET_SHAPES:
+            x = rand(MAX_M, k, dtype=dtype, seed=11)
+            w = rand(n, k, dtype=dtype, scale=k**-0.5, seed=12)
+            full = invariant.linear(x, w)  # [600, N]
+            diff = [m for m in SET_M if not torch.equal(invariant.linear(x[:m], w), full[:m])]
+            ref = x[:64].double() @ w.double().T  # [64, N]
+            t = 1e-4 if dtype == torch.float32 else 2e-2  # atol = rtol = t
+            err = float(((full[:64].double() - ref).abs() / (t + t * ref.abs())).max())
+            if diff or err > 1:
+                bad[name] = {"differing_m": diff, "err_over_tolerance": err}
+    finally:
+        invariant.set_configs(**was)
+    assert bad == {}
+
+
 @pytest.mark.parametrize("which", ["q_absorb", "o_absorb"])
 def test_bmm_heads_rows_do_not_depend_on_m(which: str) -> None:
     from ddserve.kernels.invariant import bmm_heads
