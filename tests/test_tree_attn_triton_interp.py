@@ -85,7 +85,7 @@ def _run_checks() -> dict:
         (2, [0, 3, 15], [12, 20, 5]),
         (4, [16, 30, 47], [33, 9, 17]),
         (8, [70, 95], [25, 1]),
-        (4, [1100], [20]),  # default config: crosses a 64-key tile and the 1024-key split
+        (4, [1100], [20]),  # default preset: crosses 32-key tiles and the 512-key splits
     ]
     for i, (heads, pls, qls) in enumerate(cases):
         cfg = None if i == 3 else SMALL
