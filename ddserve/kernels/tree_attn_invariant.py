@@ -160,26 +160,32 @@ def _tree_attn_inv_kernel(
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(
     po_ptr, plse_ptr, out_ptr, stride_ot, stride_oh, NSPLIT,
-    H: tl.constexpr, R: tl.constexpr,
+    H: tl.constexpr, R: tl.constexpr, BS: tl.constexpr = 64,
 ):  # fmt: skip
-    """Merge a row's split partials in split order; empty splits (lse = -inf) are skipped."""
+    """Merge a row's split partials: m = the max of the log-sum-exps (exact in any order), then
+    acc and the denominator summed in split order with weights exp2(lse - m). Empty splits
+    (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
+    splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
+    branch in the loops: the partial loads are independent and pipeline."""
     row = tl.program_id(0)  # t * H + head
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
-    m = tl.full([], -1.0e30, dtype=tl.float32)
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ss = s0 + tl.arange(0, BS)
+        lses = tl.load(plse_ptr + row * NSPLIT + ss, mask=ss < NSPLIT, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lses, 0))
+    m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
     den = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([R], dtype=tl.float32)
-    for s in range(NSPLIT):
+    for s in tl.range(0, NSPLIT, loop_unroll_factor=4):  # unrolled: loads run ahead
         lse = tl.load(plse_ptr + row * NSPLIT + s)
-        if lse > float("-inf"):
-            o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha + o * w
-            den = den * alpha + w
-            m = m_new
+        live = lse > float("-inf")
+        o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr, mask=dr < tl.where(live, R, 0), other=0.0)
+        w = tl.where(live, tl.exp2(lse - m), 0.0)
+        acc += o * w
+        den += w
     res = acc / tl.maximum(den, 1.0e-30)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
