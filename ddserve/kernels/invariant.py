@@ -10,9 +10,12 @@ that decides the arithmetic of a row independently of M:
   output element is one fp32 accumulator per K split walking its K range in tiles in order
   (narrow weights split K into a fixed number of ranges; their fp32 partials are summed in split
   order by a second kernel); output rounded once to x.dtype. fp32 inputs (the Router) use
-  input_precision "ieee" (real fp32 FMA, not tf32) or "tf32x3", fixed by the configuration. M and
-  the row stride are `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as
-  every other M.
+  input_precision "ieee" (real fp32 FMA, not tf32) or "tf32x3", fixed by the configuration. M is
+  `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M; strides
+  and pointers are specialised (16-byte alignment lets triton vectorise the loads and pipeline
+  them through shared memory with cp.async; without it x was loaded 2 bytes at a time), and
+  `_launch` makes them the same for every M of one call site: contiguous strides for a size-1
+  leading dim, a copy of an x whose base is not 16-byte aligned, a 16-aligned partials stride.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
 References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
@@ -38,7 +41,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@triton.jit(do_not_specialize=["M", "sxm", "sym"])
+@triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr,
     sxm, sxh, sxk, swh, swk, swn, sys_, sym, syh, syn,
@@ -75,25 +78,42 @@ def _mm_kernel(
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(ws_ptr, y_ptr, numel, sws, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """y = ws[0] + ws[1] + ... in that order (fp32), rounded once to y's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = offs < numel
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+        acc += tl.load(ws_ptr + s * sws + offs, mask=ok, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, heads: int) -> None:
+def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """x with unit stride along K and a 16-byte aligned base, and its strides with a size-1
+    leading dim given its contiguous stride: triton keys its binary on stride divisibility and
+    pointer alignment, so this keeps one binary for a call site whatever M is."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    strides = list(x.stride())
+    if x.shape[0] == 1:
+        strides[0] = x[0].numel()  # unused (only row 0 is read); as if contiguous
+    return x, strides
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int) -> None:
     """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws."""
+    x, xs = _canonical(x)
+    if x.dim() == 2:
+        xs = [xs[0], 0, xs[1]]
     m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
     cfg = mm_config(n, k, x.dtype, heads)
     bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    out = y if split == 1 else torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
     ys = (y.stride(0), 0, y.stride(-1)) if y.dim() == 2 else y.stride()
-    split_stride = 0 if split == 1 else out.stride(0)
+    out, split_stride, numel = y, 0, y.numel()
+    if split > 1:  # fp32 partials [split, numel rounded up to 16] (a stride divisible by 16)
+        split_stride = triton.cdiv(numel, 16) * 16
+        out = torch.empty(split, split_stride, dtype=torch.float32, device=y.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads * split)
     _mm_kernel[grid](
         x, w, out, m, n, k, *xs, *ws, split_stride, *ys,
@@ -102,8 +122,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, xs, ws, heads: in
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if split > 1:
-        numel = y.numel()
-        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](out, y, numel, SPLIT=split, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](
+            out, y, numel, split_stride, SPLIT=split, BLOCK=1024
+        )
 
 
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -123,9 +144,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)  # [M, N]
     if x2.shape[0]:
         # w[n, k] seen as [1, K, N]: stride along k is w.stride(1), along n w.stride(0)
-        xs = (x2.stride(0), 0, x2.stride(1))
         ws = (0, w.stride(1), w.stride(0))
-        _launch(x2, w, y, xs, ws, 1)
+        _launch(x2, w, y, ws, 1)
     return y.view(*x.shape[:-1], n)
 
 
@@ -138,7 +158,7 @@ def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[2]
     y = torch.empty(t, h, n, dtype=x.dtype, device=x.device)  # [T, H, N]
     if t:
-        _launch(x, w, y, x.stride(), w.stride(), h)
+        _launch(x, w, y, w.stride(), h)
     return y
 
 

@@ -95,6 +95,24 @@ def test_candidate_config_sets_keep_rows_independent_of_m(dense: str, fp32: str)
     assert bad == {}
 
 
+def test_unaligned_or_strided_x_gives_the_same_rows() -> None:
+    """_launch copies an x whose base is not 16-byte aligned and gives a size-1 leading dim its
+    contiguous stride, so such calls run the same binary (and bits) as a contiguous x."""
+    from ddserve.kernels.invariant import bmm_heads, linear
+
+    w = rand(1536, 7168, scale=7168**-0.5, seed=13)
+    buf = rand(40, 7169, seed=14)  # [40, 7169]: x = buf[:, 1:] is unaligned and strided
+    x = buf[:, 1:]  # [40, 7168]
+    full = linear(x.contiguous(), w)  # [40, 1536]
+    assert torch.equal(linear(x, w), full)
+    assert torch.equal(linear(x[3:4], w), full[3:4])
+    assert torch.equal(linear(x.contiguous().as_strided((1, 7168), (5, 1), 3 * 7168), w), full[3:4])
+    wb = rand(8, 128, 512, scale=128**-0.5, seed=15)  # [H, K, N]
+    q = rand(6, 8, 192, seed=16)[..., :128]  # [T, H, 128]: MLA's q_nope slice
+    fb = bmm_heads(q.contiguous(), wb)
+    assert torch.equal(bmm_heads(q, wb), fb) and torch.equal(bmm_heads(q[2:3], wb), fb[2:3])
+
+
 @pytest.mark.parametrize("which", ["q_absorb", "o_absorb"])
 def test_bmm_heads_rows_do_not_depend_on_m(which: str) -> None:
     from ddserve.kernels.invariant import bmm_heads
