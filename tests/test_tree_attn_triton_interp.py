@@ -100,7 +100,8 @@ def _run_checks() -> dict:
         )
 
     # 3) batch invariance: a stream's rows alone, in the batch, and in another batch order
-    pls, qls = [20, 0, 61, 33], [17, 6, 1, 29]
+    # block 4's long prefix makes the full batch 4 splits; subsets run 1 (no merge) or 2 splits
+    pls, qls = [20, 0, 61, 33, 150], [17, 6, 1, 29, 3]
     slots = sum(pls) + sum(qls) + 3
     meta = random_meta(pls, qls, slots, seed=30)
     q, qp, kv = _inputs(meta, H, slots, 30)
