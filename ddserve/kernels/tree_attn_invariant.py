@@ -12,9 +12,14 @@ merge of one split gives (o * 1 + 0, then o / 1).
 Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
 fp32 accumulator share 255 registers per thread. Round 1's BM=64 BN=64 8 warps spilled ~4 KB per
 thread (and ran ~9 us per key tile per program: a fixed ~140 us at SPLIT=1024); BM=16 BN=32 at
-8 warps needs 208 registers, no spill; BM=16 BN=16 4 warps 227, no spill; BM=32 BN=32 8 warps
-spills 56 B. BM=16 holds two tokens of 8 heads, so the per-token tail loop is two iterations.
-`PRESETS` are the configurations bench_tree_attn.py times against each other on the device.
+8 warps needs 207 registers, no spill; BM=16 BN=16 4 warps 219, no spill; BM=32 BN=32 8 warps
+spills 20-40 B, BM=32 BN=16 8 warps 241, no spill; every BM=64 tile spills (>= 2 KB); BM=16 BN=32
+at 4 warps spills 400 B. BM=16 holds two tokens of 8 heads: the per-token tail loop is two
+iterations.
+`PRESETS` are the configurations bench_tree_attn.py --presets times against each other on the
+device; DDSERVE_TREE_ATTN_INVARIANT=<name> picks one for a process. SPLIT trades parallelism at
+small batches (short splits: more programs, fewer serial key tiles each) against partial-output
+traffic at large ones ([BM, R] fp32 per program and split, merged by a second launch).
 """
 
 from __future__ import annotations
@@ -199,8 +204,8 @@ PRESETS = {
     "m16s1k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=1024),
     "m16s2k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=2048),
     "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512),
-    "m16n32w4": dict(BM=16, BN=32, num_warps=4, num_stages=3, SPLIT=512),
     "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512),
+    "m32n16": dict(BM=32, BN=16, num_warps=8, num_stages=2, SPLIT=512),
     "m32s1k": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=1024),
 }
 DEFAULT_PRESET = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", "m16")
