@@ -89,10 +89,13 @@ def _sum_splits_kernel(ws_ptr, y_ptr, numel, sws, SPLIT: tl.constexpr, BLOCK: tl
 
 
 def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """x with unit stride along K and a 16-byte aligned base, and its strides with a size-1
-    leading dim given its contiguous stride: triton keys its binary on stride divisibility and
-    pointer alignment, so this keeps one binary for a call site whatever M is."""
-    if x.stride(-1) != 1 or x.data_ptr() % 16:
+    """x with unit stride along its last dim, a 16-byte aligned base and leading strides that are
+    multiples of 16 (or contiguous), and its strides with a size-1 leading dim given its
+    contiguous stride. Triton keys its binary on stride divisibility and pointer alignment (and
+    the binary decides load vector widths, hence rms_norm's reduction layout), so this keeps one
+    binary per call site whatever M is."""
+    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+    if not aligned or not (x.is_contiguous() or all(st % 16 == 0 for st in x.stride()[:-1])):
         x = x.clone(memory_format=torch.contiguous_format)
     strides = list(x.stride())
     if x.shape[0] == 1:
@@ -162,7 +165,7 @@ def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton.jit(do_not_specialize=["sx", "sy"])
+@triton.jit
 def _rms_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
@@ -177,18 +180,15 @@ def _rms_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK: tl.constexpr):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] (rows may be strided): x.float() * rsqrt(mean(x^2)
-    + eps), cast to x.dtype, times weight, rounded to x.dtype; one program per row."""
+    + eps), cast to x.dtype, times weight, rounded to x.dtype; one program per row. Strides are
+    specialised (vector loads) but made the same for every M by `_canonical`."""
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"weight {tuple(weight.shape)} does not match the last dim {d}")
-    x2 = x.reshape(-1, d) if x.dim() != 2 else x  # [M, D]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, (sx, _) = _canonical(x.reshape(-1, d) if x.dim() != 2 else x)  # [M, D]
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [M, D]
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         warps = 4 if block <= 4096 else 8
-        _rms_kernel[(x2.shape[0],)](
-            x2, weight, y, d, x2.stride(0), y.stride(0), eps, BLOCK=block, num_warps=warps
-        )
+        _rms_kernel[(x2.shape[0],)](x2, weight, y, d, sx, d, eps, BLOCK=block, num_warps=warps)
     return y.view(x.shape)
