@@ -32,6 +32,9 @@ VARIANTS = [  # defaults since round 2: BN1=64 W1=8 SPLIT=4 KW1=16 BN2=64 KW2=32
     ("v2", V2, False),
     ("v2-inv", V2, True),
     ("v2-tuned", {**V2, "TUNED": True}, False),  # round-1 non-invariant default (atomics)
+    ("v2-inv-gemv", {**V2, "GEMV": True}, True),  # CUDA-core up-projection (no tl.dot)
+    ("v2-inv-gemv-split8", {**V2, "GEMV": True, "SPLIT": 8}, True),
+    ("v2-inv-gemv-bn32-kw32-w4", {**V2, "GEMV": True, "BN1": 32, "KW1": 32, "W1": 4}, True),
     ("v2-inv-noasm", {**V2, "ASM": False}, True),
     ("v2-inv-noprefetch", {**V2, "PREFETCH": False}, True),
     ("v2-inv-bn32-w4", {**V2, "BN1": 32, "W1": 4}, True),  # round-1 invariant default

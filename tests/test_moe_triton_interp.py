@@ -4,9 +4,10 @@ The kernels run in a subprocess with TRITON_INTERPRET=1 (the flag is read when a
 decorated, so it must be set before ddserve's Triton modules are first imported in a process);
 the subprocess prints one JSON record per check and the tests below assert on them.
 Checks: equal to `moe_ref` within tolerance (INT4 and dense bf16, T = 0 / 1 / 5 / 33, experts with
-no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the tuned mode), the ablation modes run,, and with
-invariant=True a token's row is bitwise the same alone as inside bigger batches with different
-routing of the other tokens (also across the host-side token chunking).
+no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the tuned mode, the
+CUDA-core GEMV up-projection); the ablation modes run; with invariant=True a token's row is
+bitwise the same alone as inside bigger batches with different routing of the other tokens
+(also across the host-side token chunking), for the MMA and the GEMV paths.
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ def _child() -> None:
     accuracy("int4-noprefetch", w, 5, 2, {"PREFETCH": False}, True)
     accuracy("int4-bm32", w, 17, 2, {"BM": 32, "SPLIT": 2}, False)
     accuracy("int4-split2", w, 5, 2, {"SPLIT": 2, "BN1": 64, "KW1": 8}, False)
-    accuracy("int4-tuned", w, 17, 2, {"TUNED": True}, False)  # round-1 tuning, fp32 atomics
-    xa = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
-    ida, twa = _routing(5, 8, 2, gen)
+    accuracy("int4-tuned", w, 6, 2, {"TUNED": True}, False)  # round-1 tuning, fp32 atomics
+    accuracy("int4-gemv", w, 5, 2, {"GEMV": True}, True)  # CUDA-core up-projection
+    accuracy("int4-gemv-split1", w, 6, 2, {"GEMV": True, "SPLIT": 1}, False)
+    xa = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
+    ida, twa = _routing(2, 8, 2, gen)
     for ab in v2.ABLATIONS:  # bench-only ablations: they run and keep the output's shape
         out = fused_moe(xa, ida, twa, w, config={"ABLATE": ab})
         emit(kind="ablate", name=ab, shape_ok=out.shape == xa.shape and out.dtype == xa.dtype)
@@ -100,26 +103,34 @@ def _child() -> None:
     )
     accuracy("dense", dense, 7, 2, {}, False)
     accuracy("dense", dense, 7, 2, {}, True)
+    accuracy("dense-gemv", dense, 7, 2, {"GEMV": True}, True)
 
     # Invariance: token 0 alone, then first in batches whose other tokens route differently.
     x0 = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
     ids0, tw0 = _routing(1, 8, 2, gen)
-    alone = fused_moe(x0, ids0, tw0, w, invariant=True)
-    for t, only in ((5, None), (17, None), (17, 3), (12, 2)):
-        xo = torch.randn(t - 1, 256, generator=gen).to(torch.bfloat16)
-        ido, two = _routing(t - 1, 8, 2, gen, only)
-        pos = t // 2  # the token sits in the middle of the batch
-        x = torch.cat([xo[:pos], x0, xo[pos:]])
-        ids = torch.cat([ido[:pos], ids0, ido[pos:]])
-        tw = torch.cat([two[:pos], tw0, two[pos:]])
-        out = fused_moe(x, ids, tw, w, invariant=True)
-        same = bool(torch.equal(out[pos], alone[0]))
-        emit(kind="inv", name=f"T={t} only={only}", same=same)
+    alone_by = {}
+    for cfg in ({}, {"GEMV": True}):
+        alone = alone_by[str(cfg)] = fused_moe(x0, ids0, tw0, w, config=cfg, invariant=True)
+        batches = ((5, None), (17, None), (17, 3), (12, 2)) if not cfg else ((17, None), (12, 2))
+        for t, only in batches:
+            xo = torch.randn(t - 1, 256, generator=gen).to(torch.bfloat16)
+            ido, two = _routing(t - 1, 8, 2, gen, only)
+            pos = t // 2  # the token sits in the middle of the batch
+            x = torch.cat([xo[:pos], x0, xo[pos:]])
+            ids = torch.cat([ido[:pos], ids0, ido[pos:]])
+            tw = torch.cat([two[:pos], tw0, two[pos:]])
+            out = fused_moe(x, ids, tw, w, config=cfg, invariant=True)
+            same = bool(torch.equal(out[pos], alone[0]))
+            emit(kind="inv", name=f"{cfg} T={t} only={only}", same=same)
     v2.CHUNK = 4  # host chunking: the token lands in the second of three chunks
     x = torch.cat([torch.randn(5, 256, generator=gen).to(torch.bfloat16), x0])
     ido, two = _routing(5, 8, 2, gen)
-    out = fused_moe(x, torch.cat([ido, ids0]), torch.cat([two, tw0]), w, invariant=True)
-    emit(kind="inv", name="chunked T=6 CHUNK=4", same=bool(torch.equal(out[5], alone[0])))
+    for cfg in ({}, {"GEMV": True}):
+        out = fused_moe(
+            x, torch.cat([ido, ids0]), torch.cat([two, tw0]), w, config=cfg, invariant=True
+        )
+        same = bool(torch.equal(out[5], alone_by[str(cfg)][0]))
+        emit(kind="inv", name=f"{cfg} chunked T=6 CHUNK=4", same=same)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +147,7 @@ def records() -> list[dict]:
 
 def test_matches_reference(records):
     acc = [r for r in records if r["kind"] == "acc"]
-    assert len(acc) == 17
+    assert len(acc) == 20
     bad = [r for r in acc if not (r["shape_ok"] and r["err"] < TOL)]
     assert not bad, bad
 
@@ -149,7 +160,7 @@ def test_ablations_run(records):
 
 def test_invariant_rows_are_bitwise_equal(records):
     inv = [r for r in records if r["kind"] == "inv"]
-    assert len(inv) == 5
+    assert len(inv) == 8
     assert all(r["same"] for r in inv), inv
 
 

@@ -7,6 +7,7 @@ Launches after `align_by_expert` (torch ops, no host sync):
             each walking K / SPLIT columns (more loads in flight when few experts are touched).
             With SPLIT == 1 the SiLU-mul is fused and h is written directly. PREFETCH: the next
             K step's words are loaded (into registers) before this step's are dequantized.
+   GEMV (config, `moe_gemv`): the same with CUDA-core dot products, row by row (no tl.dot).
 2. silu:    h[r] = silu(sum_s gate part) * (sum_s up part), splits summed in order 0..SPLIT-1, bf16.
 3. down:    y[p] = w_p * (h[p] @ W2_e^T). Fast mode: fp32 atomic adds into out[t].
             Invariant mode: y stored per pair ([P, H] fp32), then
@@ -36,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.kernels.moe_gemv import _up_gemv_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import align_by_expert
 from ddserve.kernels.moe_w4_tiles import _acc_step, _load_raw
@@ -49,7 +51,19 @@ CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair
 # Round 1 on an H200: BN1=64 at 8 warps was the fastest variant at every T (1 .. 768), invariant
 # or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
-    BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0
+    BM=16,
+    BN1=64,
+    SPLIT=4,
+    KW1=16,
+    BN2=64,
+    KW2=32,
+    W1=8,
+    W2=4,
+    S1=3,
+    S2=2,
+    PREFETCH=True,
+    MODE=0,
+    GEMV=False,
 )
 # MODE (ablations for the bench only, wrong results): 1 LOAD_ONLY, 2 NO_MMA, 3 FAKE_DEQUANT.
 ABLATIONS = {"load_only": 1, "no_mma": 2, "fake_dequant": 3}
@@ -316,14 +330,21 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     stride_os = 0 if split == 1 else part.stride(0)
     stride_or = h.stride(0) if split == 1 else part.stride(1)
     grid_up = nb * split * triton.cdiv(inter, cfg["BN1"])
-    k_up = _up_kernel[(grid_up,)](
+    up_args = (
         xin, w13, s13, part, sorted_pairs, block_expert,
         p, num_experts, nb, inter,
         xin.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        stride_os, stride_or, K=hidden, K_CHUNK=k_chunk,
-        TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=kw1, SPLIT=split, ASM=cfg["ASM"], F32=interp,
-        PREFETCH=cfg["PREFETCH"], MODE=cfg["MODE"], num_warps=cfg["W1"], num_stages=cfg["S1"],
+        stride_os, stride_or,
     )  # fmt: skip
+    up_kw = dict(K=hidden, K_CHUNK=k_chunk, TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=kw1,
+                 SPLIT=split, ASM=cfg["ASM"], num_warps=cfg["W1"],
+                 num_stages=cfg["S1"])  # fmt: skip
+    if cfg["GEMV"]:  # CUDA-core up-projection (`moe_gemv`)
+        k_up = _up_gemv_kernel[(grid_up,)](*up_args, **up_kw)
+    else:
+        k_up = _up_kernel[(grid_up,)](
+            *up_args, **up_kw, F32=interp, PREFETCH=cfg["PREFETCH"], MODE=cfg["MODE"]
+        )
     if split > 1:
         _silu_kernel[(nb, triton.cdiv(inter, 64))](
             part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1), h.stride(0),

@@ -51,8 +51,10 @@ PATHS = [
     ({"variant": "v2"}, True),
     ({"variant": "v2", "ASM": False}, False),
     ({"variant": "v2", "ASM": False}, True),
+    ({"variant": "v2", "GEMV": True}, True),
+    ({"variant": "v2", "TUNED": True}, False),
 ]
-PATH_IDS = ["v1", "v2", "v2-inv", "v2-noasm", "v2-noasm-inv"]
+PATH_IDS = ["v1", "v2", "v2-inv", "v2-noasm", "v2-noasm-inv", "v2-gemv-inv", "v2-tuned"]
 
 
 def check(
@@ -115,7 +117,8 @@ V1_CONFIGS = [
 V2_CONFIGS = [
     dict(BM=32), dict(BM=64), dict(SPLIT=1), dict(SPLIT=2), dict(SPLIT=8), dict(KW1=32),
     dict(KW1=64, S1=2), dict(BN1=64, BN2=64), dict(KW2=32), dict(W1=8, W2=8),
-    dict(PREFETCH=False), dict(PREFETCH=False, ASM=False),
+    dict(PREFETCH=False), dict(PREFETCH=False, ASM=False), dict(TUNED=True), dict(GEMV=True),
+    dict(GEMV=True, SPLIT=1), dict(GEMV=True, BN1=32, KW1=32, W1=4), dict(BN1=32, W1=4),
 ]  # fmt: skip
 
 
@@ -133,7 +136,7 @@ def test_tile_configs(config):
     )
 
 
-@pytest.mark.parametrize("path", PATHS[:3], ids=PATH_IDS[:3])
+@pytest.mark.parametrize("path", PATHS[:3] + PATHS[5:6], ids=PATH_IDS[:3] + PATH_IDS[5:6])
 @pytest.mark.parametrize("t", [0, 1, 19, 130])
 def test_dense_bf16_weights(t, path):
     gen = torch.Generator().manual_seed(t)
@@ -151,7 +154,9 @@ def test_dense_bf16_weights(t, path):
     check(ExpertWeights(w13=w13, w2=w2), t, 4, seed=t + 10, config=path[0], invariant=path[1])
 
 
-INVARIANT_PATHS = [{"variant": "v2"}, {"variant": "v2", "ASM": False}]
+INVARIANT_PATHS = [
+    {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True}
+]  # fmt: skip
 
 
 def _batch_with(probe, t: int, gen: torch.Generator, only: int | None):
