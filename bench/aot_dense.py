@@ -1,0 +1,94 @@
+"""Offline sm_90 compile of the batch-invariant matmul for every config set (no GPU needed).
+
+Compiles `invariant._mm_kernel` as `_launch` launches it (16-byte aligned pointers, row strides
+divisible by 16, unit stride along K) at the bench_dense shapes, for each candidate set of
+`invariant_configs`, and reports per (set, weight): shared memory, registers and spill bytes
+(ptxas -v), whether the loads are pipelined (cp.async) and whether the dot is a wgmma. A kernel
+that spills or does not pipeline will be slow on the GPU whatever its tiles.
+
+    PYTHONPATH=. python3 bench/aot_dense.py --sets a,b,c,tf32x3 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from bench_dense import OPS, H
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ddserve.kernels import invariant, invariant_configs
+
+STRIDES = ["sxm", "sxh", "sxk", "swh", "swk", "swn", "sys_", "sym", "syh", "syn"]
+UNIT = {"sxk": 1, "swk": 1, "syn": 1}  # linear: x, w contiguous along K, y along N
+
+
+def compile_one(cfg: invariant_configs.MMConfig, k: int, dtype: torch.dtype) -> dict:
+    ty = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    sig = {"x_ptr": ty, "w_ptr": ty, "y_ptr": ty if cfg.split == 1 else "*fp32", "M": "i32"}
+    sig.update({"N": "i32", "K": "constexpr"})
+    sig.update({s: "constexpr" if s in UNIT else "i32" for s in STRIDES})
+    consts = dict(UNIT, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    k_per = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
+    consts.update(SPLIT=cfg.split, K_PER=k_per, FP32=dtype == torch.float32)
+    consts.update(PRECISION=cfg.precision, INTERPRET=False)
+    sig.update({c: "constexpr" for c in consts if c not in sig})
+    names = list(sig)
+    div16 = ["x_ptr", "w_ptr", "y_ptr", "N"] + [s for s in STRIDES if s not in UNIT]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    src = ASTSource(invariant._mm_kernel, sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+    ptx = c.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        cmd = [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull]
+        log = subprocess.run(cmd, capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return {
+        "shared_bytes": c.metadata.shared,
+        "registers": int(regs[0]) if regs else None,
+        "spill_store_bytes": int(spills[0]) if spills else None,
+        "cp_async": ptx.count("cp.async"),
+        "wgmma": "wgmma" in ptx,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sets", default="a,b,c,ieee,ieee64,tf32x3")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    out: dict = {}
+    for s in a.sets.split(","):
+        fp32 = s in invariant_configs.FP32_SETS
+        fn = invariant_configs.FP32_SETS[s] if fp32 else invariant_configs.DENSE_SETS[s]
+        for name, (kind, n, k) in OPS.items():
+            if kind == "rms" or (kind == "router") != fp32:
+                continue
+            cfg = fn(n, k, H if kind.startswith("bmm") else 1)
+            try:
+                rec = dict(
+                    cfg._asdict(), **compile_one(cfg, k, torch.float32 if fp32 else torch.bfloat16)
+                )
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rec = dict(cfg._asdict(), error=f"{type(e).__name__}: {str(e)[:300]}")
+            out.setdefault(s, {})[name] = rec
+            print(f"{s:7s} {name:26s} {json.dumps(rec)}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
