@@ -112,6 +112,12 @@ def _run_checks() -> dict:
         part = attn(q[rows], qp[rows], kv, sub, invariant=True, config=SMALL)
         bad += int((part != full[rows]).any(-1).any(-1).sum())
     res["batch_bad_rows"] = bad
+
+    # 4) the PREFETCH variants (next tile's slot ids / keys loaded ahead) give the same bits
+    outs = [
+        attn(q, qp, kv, meta, invariant=True, config={**SMALL, "PREFETCH": pf}) for pf in (1, 2)
+    ]
+    res["prefetch_bad_rows"] = sum(int((o != full).any(-1).any(-1).sum()) for o in outs)
     return res
 
 
@@ -138,6 +144,10 @@ def test_tree_rows_equal_ar_rows_bitwise():
 
 def test_rows_do_not_depend_on_the_batch():
     assert _results()["batch_bad_rows"] == 0
+
+
+def test_prefetch_variants_bitwise_equal():
+    assert _results()["prefetch_bad_rows"] == 0
 
 
 if __name__ == "__main__":

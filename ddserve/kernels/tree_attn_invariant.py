@@ -20,6 +20,10 @@ iterations.
 device; DDSERVE_TREE_ATTN_INVARIANT=<name> picks one for a process. SPLIT trades parallelism at
 small batches (short splits: more programs, fewer serial key tiles each) against partial-output
 traffic at large ones ([BM, R] fp32 per program and split, merged by a second launch).
+Triton does not pipeline these gathered loads (no cp.async in the PTX), so each key tile waits
+for its slot ids and then its keys: PREFETCH=1 loads the next tile's slot ids one iteration
+ahead (m16: 252 registers, no spill), PREFETCH=2 also its keys (spills except at BN=16). The
+PREFETCH variants of a configuration compute the same values in the same order (bitwise equal).
 """
 
 from __future__ import annotations
@@ -46,16 +50,19 @@ def _online_update(m, l_sum, acc, sc, c):
 
 
 @triton.jit
-def _key_tile(
-    q, qp, kv_ptr, slot, kok, vis, m, l_sum, acc, scale_log2, stride_kv,
-    R: tl.constexpr, P: tl.constexpr,
-):  # fmt: skip
-    """Load the keys at `slot` [BN] and fold them into the rows' state where `vis` [BM, BN].
-    The one score + update code of the invariant mode: shared and per-token tiles both call it."""
+def _load_keys(kv_ptr, slot, kok, stride_kv, R: tl.constexpr, P: tl.constexpr):
+    """Latent [BN, R] and rope [BN, P] keys at `slot` [BN] (0 where not `kok`)."""
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
     c = tl.load(kv_ptr + slot[:, None] * stride_kv + dr[None, :], mask=kok[:, None], other=0.0)
     kp = tl.load(kv_ptr + slot[:, None] * stride_kv + R + dp[None, :], mask=kok[:, None], other=0.0)
+    return c, kp
+
+
+@triton.jit
+def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2):
+    """Fold keys c [BN, R], kp [BN, P] into the rows' state where `vis` [BM, BN]. The one score +
+    update code of the invariant mode: shared and per-token tiles both call it."""
     sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(vis, sc * scale_log2, float("-inf"))
     return _online_update(m, l_sum, acc, sc, c)
@@ -85,7 +92,7 @@ def _tree_attn_inv_kernel(
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows; the tail tiles are done once per token with that token's keys (same `_key_tile`)."""
@@ -127,13 +134,32 @@ def _tree_attn_inv_kernel(
     m = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, R], dtype=tl.float32)
-    for n0 in range(s0, tl.minimum(s1, pfull), BN):  # whole tiles of prefix keys: shared
+    n_end = tl.minimum(s1, pfull)
+    ps_row = pslots_ptr + b * stride_ps
+    # PREFETCH 1: each iteration loads the next tile's slot ids; 2: also its keys (registers).
+    if PREFETCH > 0:
+        kf = s0 + tl.arange(0, BN)
+        slot_f = tl.load(ps_row + kf, mask=kf < n_end, other=0).to(tl.int64)
+        if PREFETCH > 1:
+            c, kp = _load_keys(kv_ptr, slot_f, kf < n_end, stride_kv, R, P)
+    for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared
         kidx = n0 + tl.arange(0, BN)
-        slot = tl.load(pslots_ptr + b * stride_ps + kidx).to(tl.int64)
         vis = row_ok[:, None] & (kidx[None, :] < nrow[:, None])
-        m, l_sum, acc = _key_tile(
-            q, qp, kv_ptr, slot, kidx < plen, vis, m, l_sum, acc, scale_log2, stride_kv, R, P
-        )
+        if PREFETCH > 1:
+            kn = kidx + BN
+            slot_f = tl.load(ps_row + kn, mask=kn < n_end, other=0).to(tl.int64)
+            c_n, kp_n = _load_keys(kv_ptr, slot_f, kn < n_end, stride_kv, R, P)
+            m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
+            c, kp = c_n, kp_n
+        elif PREFETCH > 0:
+            c, kp = _load_keys(kv_ptr, slot_f, kidx < plen, stride_kv, R, P)
+            kn = kidx + BN
+            slot_f = tl.load(ps_row + kn, mask=kn < n_end, other=0).to(tl.int64)
+            m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
+        else:
+            slot_s = tl.load(ps_row + kidx).to(tl.int64)
+            c, kp = _load_keys(kv_ptr, slot_s, kidx < plen, stride_kv, R, P)
+            m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
     for n0 in range(tl.maximum(s0, pfull), s1, BN):  # tail tiles: each token's own keys
@@ -146,11 +172,10 @@ def _tree_attn_inv_kernel(
                 blk = _path_index(mask_ptr, b * stride_mb + j * stride_mq, kidx - plen, qlen, BN)
                 ps = tl.load(pslots_ptr + b * stride_ps + kidx, mask=in_pre, other=0)
                 bs = tl.load(bslots_ptr + q0 + blk, mask=kok & ~in_pre, other=0)
-                slot = tl.where(in_pre, ps, bs).to(tl.int64)
+                slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
                 vis = (qrow == j)[:, None] & kok[None, :]
-                m, l_sum, acc = _key_tile(
-                    q, qp, kv_ptr, slot, kok, vis, m, l_sum, acc, scale_log2, stride_kv, R, P
-                )
+                c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
+                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
     res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
     if nsplit == 1:  # runtime branch (one binary): the merge of a single split is res itself
         o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
@@ -199,14 +224,16 @@ def _combine_kernel(
 # of a serving process: a row's arithmetic then depends on nothing but its query and its keys.
 PRESETS = {
     "r1": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024),  # round 1 (spills)
-    "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512),
-    "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256),
-    "m16s1k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=1024),
-    "m16s2k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=2048),
-    "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512),
-    "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512),
-    "m32n16": dict(BM=32, BN=16, num_warps=8, num_stages=2, SPLIT=512),
-    "m32s1k": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=1024),
+    "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1),
+    "m16p0": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
+    "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1),
+    "m16s1k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=1),
+    "m16s2k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=2048, PREFETCH=1),
+    "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=1),
+    "m16n16p2": dict(BM=16, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=2),
+    "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
+    "m32n16": dict(BM=32, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
+    "m32s1k": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0),
 }
 DEFAULT_PRESET = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", "m16")
 INVARIANT_CONFIG = dict(PRESETS[DEFAULT_PRESET])
@@ -249,6 +276,7 @@ def tree_mla_attention_invariant(
         kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
+        PREFETCH=cfg.get("PREFETCH", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if nsplit > 1:
