@@ -94,6 +94,15 @@ def check_every_config_set(inv, dense: str, fp32: str) -> None:
         inv.set_configs(**was)
 
 
+def check_row_sum8_equals_fixed_order_sum(inv) -> None:
+    """The Router's top-k weight sum in one launch: fixed_order_sum's bits, row by row."""
+    for k in range(1, 9):
+        x = wide(37, k, dtype=torch.float32, seed=30 + k)
+        got = inv.row_sum8(x)  # [37, 1]
+        assert torch.equal(got, fixed_order_sum(x)), k
+        assert torch.equal(inv.row_sum8(x[5:6]), got[5:6])
+
+
 def check_linear_accepts_leading_dims_and_empty(inv) -> None:
     x, w = rand(2, 3, 24, dtype=torch.float32, seed=4), rand(17, 24, dtype=torch.float32, seed=5)
     torch.testing.assert_close(inv.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
@@ -143,6 +152,7 @@ CASES = (
        for d in (torch.bfloat16, torch.float32)]
     + [(f"config_set[{d},{f}]", check_every_config_set, (d, f))
        for d, f in zip(["r1", "a", "b", "c"], ["ieee_r1", "ieee", "ieee64", "tf32x3"], strict=True)]
+    + [("row_sum8", check_row_sum8_equals_fixed_order_sum, ())]
     + [("linear_leading_dims_and_empty", check_linear_accepts_leading_dims_and_empty, ())]
     + [(f"bmm_heads[{d},transposed={t}]", check_bmm_heads_matches_einsum_and_is_row_invariant,
         (d, t)) for d in (torch.bfloat16, torch.float32) for t in (False, True)]

@@ -144,7 +144,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim, keepdim: a fixed pairwise order in batch-invariant mode (any
-    device), torch's sum otherwise."""
+    device; one Triton launch for <= 8 fp32 values on CUDA, else log2(n) elementwise adds),
+    torch's sum otherwise."""
     from ddserve.kernels.invariant_ref import fixed_order_sum
 
-    return fixed_order_sum(x) if _batch_invariant else x.sum(dim=-1, keepdim=True)
+    if not _batch_invariant:
+        return x.sum(dim=-1, keepdim=True)
+    if x.dtype == torch.float32 and x.shape[-1] <= 8:
+        kernels = _invariant_for("row_sum", x)
+        if kernels:
+            return kernels.row_sum8(x)
+    return fixed_order_sum(x)

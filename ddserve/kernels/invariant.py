@@ -192,3 +192,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         warps = 4 if block <= 4096 else 8
         _rms_kernel[(x2.shape[0],)](x2, weight, y, d, sx, d, eps, BLOCK=block, num_warps=warps)
     return y.view(x.shape)
+
+
+@triton.jit
+def _col(p, j: tl.constexpr, ok, K: tl.constexpr):
+    return tl.load(p + j, mask=ok & (j < K), other=0.0)  # [BM] column j, 0 past K
+
+
+@triton.jit(do_not_specialize=["M", "sx"])
+def _row_sum8_kernel(x_ptr, y_ptr, M, sx, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """y[m] = ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)) over a row of K <= 8 fp32 values
+    (zeros past K): `invariant_ref.fixed_order_sum`'s pairwise tree, in one launch."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    ok = rows < M
+    p = x_ptr + rows.to(tl.int64) * sx  # [BM]
+    lo = (_col(p, 0, ok, K) + _col(p, 4, ok, K)) + (_col(p, 2, ok, K) + _col(p, 6, ok, K))
+    hi = (_col(p, 1, ok, K) + _col(p, 5, ok, K)) + (_col(p, 3, ok, K) + _col(p, 7, ok, K))
+    tl.store(y_ptr + rows, lo + hi, mask=ok)
+
+
+def row_sum8(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (at most 8 fp32 values: the Router's top-k weights), keepdim, in
+    `fixed_order_sum`'s order (bitwise equal to it for finite inputs that are not all zeros)."""
+    k = x.shape[-1]
+    if x.dtype != torch.float32 or not 1 <= k <= 8:
+        raise ValueError(f"row_sum8 takes at most 8 float32 values per row, got {k} {x.dtype}")
+    x2 = x.reshape(-1, k)  # [M, k]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], 1, dtype=x.dtype, device=x.device)  # [M, 1]
+    if x2.shape[0]:
+        grid = (triton.cdiv(x2.shape[0], 128),)
+        _row_sum8_kernel[grid](x2, y, x2.shape[0], x2.stride(0), K=k, BLOCK_M=128)
+    return y.view(*x.shape[:-1], 1)

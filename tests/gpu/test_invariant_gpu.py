@@ -139,6 +139,15 @@ def test_rms_norm_rows_do_not_depend_on_m(d: int, strided: bool) -> None:
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_row_sum8_is_fixed_order_sum_for_every_m() -> None:
+    from ddserve.kernels.invariant import row_sum8
+    from ddserve.kernels.invariant_ref import fixed_order_sum
+
+    x = torch.rand(MAX_M, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    assert differing_m(row_sum8, x) == []
+    assert torch.equal(row_sum8(x), fixed_order_sum(x))
+
+
 def test_backend_picks_triton_only_in_invariant_mode() -> None:
     from ddserve.kernels.invariant import linear
 
