@@ -189,6 +189,10 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev) -> dict:
     return row
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -196,14 +200,16 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--presets", action="store_true", help="time every invariant preset instead")
     ap.add_argument("--budget-s", type=float, default=100.0, help="--presets: stop after this")
+    ap.add_argument("--prefixes", default="1024,8192,32768", help="comma-separated prefix lengths")
     args = ap.parse_args()
     dev = device()
     h, r, p = (2, 32, 16) if args.smoke else (8, 512, 64)
     streams, budgets, prefixes = (
-        ([2], [8], [64]) if args.smoke else ([1, 5, 10], [8, 16, 32, 64], [1024, 8192, 32768])
+        ([2], [8], [64]) if args.smoke else ([1, 5, 10], [8, 16, 32, 64], _ints(args.prefixes))
     )
     cases = [(b, q, pl) for b in streams for q in budgets for pl in prefixes]
-    cases += [] if args.smoke else [(b, 0, pl) for b in (1, 10) for pl in (8192, 32768)]  # decode
+    decode = [pl for pl in (1024, 8192, 32768) if pl in prefixes]
+    cases += [] if args.smoke else [(b, 0, pl) for b in (1, 10) for pl in decode]  # decode
     if args.presets:
         return run_presets(cases, h, r, p, dev, args)
     bw, peak = copy_bandwidth_gbs(), matmul_tflops()
