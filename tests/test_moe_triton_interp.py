@@ -88,6 +88,12 @@ def _child() -> None:
     accuracy("int4-split2", w, 5, 2, {"SPLIT": 2, "BN1": 64, "KW1": 8}, False)
     accuracy("int4-tuned", w, 6, 2, {"TUNED": True}, False)  # round-1 tuning, fp32 atomics
     accuracy("int4-gemv", w, 5, 2, {"GEMV": True}, True)  # CUDA-core up-projection
+    xs = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    ids_s, tw_s = _routing(3, 8, 2, gen)
+    for cfg in ({}, {"GEMV": True}):  # SVEC (one scale load per group) gives the same bits
+        a = fused_moe(xs, ids_s, tw_s, w, config=cfg, invariant=True)
+        b = fused_moe(xs, ids_s, tw_s, w, config={**cfg, "SVEC": True}, invariant=True)
+        emit(kind="svec", name=str(cfg), same=bool(torch.equal(a, b)))
     accuracy("int4-gemv-split1", w, 6, 2, {"GEMV": True, "SPLIT": 1}, False)
     xa = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
     ida, twa = _routing(2, 8, 2, gen)
@@ -150,6 +156,11 @@ def test_matches_reference(records):
     assert len(acc) == 20
     bad = [r for r in acc if not (r["shape_ok"] and r["err"] < TOL)]
     assert not bad, bad
+
+
+def test_scale_vector_load_is_bitwise_the_same(records):
+    sv = [r for r in records if r["kind"] == "svec"]
+    assert len(sv) == 2 and all(r["same"] for r in sv), sv
 
 
 def test_ablations_run(records):

@@ -27,6 +27,7 @@ def _up_gemv_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_or,
     K: tl.constexpr, K_CHUNK: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    SV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -56,9 +57,9 @@ def _up_gemv_kernel(
                 xk = tl.load(x_ptr + tok * stride_x + k, mask=k < k_end, other=0.0)
                 xk = xk.to(tl.float32)[None, :]  # [1, 8 KW]
                 gw, gs = _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn,
-                                   INT4, KW)  # fmt: skip
+                                   INT4, KW, SV)  # fmt: skip
                 uw, us = _load_raw(w_base, s_base, n + N_half, n_ok, kb, k_end, stride_wn,
-                                   stride_sn, INT4, KW)  # fmt: skip
+                                   stride_sn, INT4, KW, SV)  # fmt: skip
                 acc_g += tl.sum(_convert(gw, gs, INT4, ASM).to(tl.float32) * xk, axis=1)
                 acc_u += tl.sum(_convert(uw, us, INT4, ASM).to(tl.float32) * xk, axis=1)
             o_ptrs = out_ptr + pid_s * stride_os + row.to(tl.int64) * stride_or + n

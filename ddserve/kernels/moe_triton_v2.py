@@ -51,20 +51,13 @@ CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair
 # Round 1 on an H200: BN1=64 at 8 warps was the fastest variant at every T (1 .. 768), invariant
 # or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
-    BM=16,
-    BN1=64,
-    SPLIT=4,
-    KW1=16,
-    BN2=64,
-    KW2=32,
-    W1=8,
-    W2=4,
-    S1=3,
-    S2=2,
-    PREFETCH=True,
-    MODE=0,
-    GEMV=False,
-)
+    BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0,
+    GEMV=False, SVEC=False, MAXREG=0,
+)  # fmt: skip
+# SVEC: one load per scale group (`moe_w4_tiles._load_raw`; round-1 code loaded a 2-byte scale
+# per word: 4x the words' load instructions at KW=16, seen in the sm_90 PTX). Same results.
+# ptxas sm_90 for the up kernel (default tiles): 174 registers, 130 with SVEC: one 8-warp program
+# per SM; MAXREG=128 (maxnreg of the up kernel) would allow two (more loads in flight).
 # MODE (ablations for the bench only, wrong results): 1 LOAD_ONLY, 2 NO_MMA, 3 FAKE_DEQUANT.
 ABLATIONS = {"load_only": 1, "no_mma": 2, "fake_dequant": 3}
 
@@ -89,7 +82,7 @@ def _up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_or,
     K: tl.constexpr, K_CHUNK: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    F32: tl.constexpr, PREFETCH: tl.constexpr, MODE: tl.constexpr,
+    F32: tl.constexpr, PREFETCH: tl.constexpr, MODE: tl.constexpr, SV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -113,24 +106,26 @@ def _up_kernel(
     k_end = tl.minimum(k_lo + K_CHUNK, K)
     STEP: tl.constexpr = 8 * KW
     if PREFETCH:  # next step's words are loaded before this step's are converted
-        gw, gs = _load_raw(w_base, s_base, n, n_ok, k_lo, k_end, stride_wn, stride_sn, INT4, KW)
+        gw, gs = _load_raw(w_base, s_base, n, n_ok, k_lo, k_end, stride_wn, stride_sn, INT4, KW,
+                           SV)  # fmt: skip
         uw, us = _load_raw(w_base, s_base, n + N_half, n_ok, k_lo, k_end, stride_wn, stride_sn,
-                           INT4, KW)  # fmt: skip
+                           INT4, KW, SV)  # fmt: skip
         for kk in range(0, K_CHUNK, STEP):  # constexpr bounds (what the interpreter can run)
             kb = k_lo + kk
             gw2, gs2 = _load_raw(w_base, s_base, n, n_ok, kb + STEP, k_end, stride_wn, stride_sn,
-                                 INT4, KW)  # fmt: skip
+                                 INT4, KW, SV)  # fmt: skip
             uw2, us2 = _load_raw(w_base, s_base, n + N_half, n_ok, kb + STEP, k_end, stride_wn,
-                                 stride_sn, INT4, KW)  # fmt: skip
+                                 stride_sn, INT4, KW, SV)  # fmt: skip
             acc_g, acc_u = _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
                                     K, INT4, KW, ASM, F32, MODE)  # fmt: skip
             gw, gs, uw, us = gw2, gs2, uw2, us2
     else:
         for kk in range(0, K_CHUNK, STEP):
             kb = k_lo + kk
-            gw, gs = _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4, KW)
+            gw, gs = _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4, KW,
+                               SV)  # fmt: skip
             uw, us = _load_raw(w_base, s_base, n + N_half, n_ok, kb, k_end, stride_wn, stride_sn,
-                               INT4, KW)  # fmt: skip
+                               INT4, KW, SV)  # fmt: skip
             acc_g, acc_u = _up_step(acc_g, acc_u, gw, gs, uw, us, x_ptr, tok, valid, kb, stride_x,
                                     K, INT4, KW, ASM, F32, MODE)  # fmt: skip
     o_ptrs = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_or + n[:, None]
@@ -169,7 +164,7 @@ def _down_kernel(
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     K: tl.constexpr, TOPK: tl.constexpr, INT4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     KW: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr,
-    MODE: tl.constexpr,
+    MODE: tl.constexpr, SV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -187,7 +182,7 @@ def _down_kernel(
     s_base = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for kb in range(0, K, 8 * KW):
-        a, b = _load_raw(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
+        a, b = _load_raw(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW, SV)
         k = kb + tl.arange(0, 8 * KW)
         hk = tl.load(
             h_ptr + rows[None, :] * stride_h + k[:, None], mask=(k < K)[:, None], other=0.0
@@ -329,6 +324,7 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     k_chunk = triton.cdiv(triton.cdiv(hidden, split), 8 * kw1) * 8 * kw1
     stride_os = 0 if split == 1 else part.stride(0)
     stride_or = h.stride(0) if split == 1 else part.stride(1)
+    sv = cfg["SVEC"] and int4 and hidden % 32 == 0 and inter % 32 == 0
     grid_up = nb * split * triton.cdiv(inter, cfg["BN1"])
     up_args = (
         xin, w13, s13, part, sorted_pairs, block_expert,
@@ -337,8 +333,10 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
         stride_os, stride_or,
     )  # fmt: skip
     up_kw = dict(K=hidden, K_CHUNK=k_chunk, TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN1"], KW=kw1,
-                 SPLIT=split, ASM=cfg["ASM"], num_warps=cfg["W1"],
+                 SPLIT=split, ASM=cfg["ASM"], SV=sv, num_warps=cfg["W1"],
                  num_stages=cfg["S1"])  # fmt: skip
+    if cfg["MAXREG"] and not interp:
+        up_kw["maxnreg"] = cfg["MAXREG"]
     if cfg["GEMV"]:  # CUDA-core up-projection (`moe_gemv`)
         k_up = _up_gemv_kernel[(grid_up,)](*up_args, **up_kw)
     else:
@@ -361,7 +359,7 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
         p, num_experts, nb, hidden,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         K=inter, TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], ASM=cfg["ASM"],
-        ATOMIC=cfg["ATOMIC"], F32=interp, MODE=cfg["MODE"], num_warps=cfg["W2"],
+        ATOMIC=cfg["ATOMIC"], F32=interp, MODE=cfg["MODE"], SV=sv, num_warps=cfg["W2"],
         num_stages=cfg["S2"],
     )  # fmt: skip
     _note_launch("up", k_up, grid_up, cfg["W1"])

@@ -63,14 +63,23 @@ def _unpack_asm(words, scale):
 
 @triton.jit
 def _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4: tl.constexpr,
-              KW: tl.constexpr):  # fmt: skip
+              KW: tl.constexpr, SV: tl.constexpr):  # fmt: skip
     """Raw operands of rows n, columns kb .. kb + 8 KW (masked at k_end): INT4 -> (words
-    [BN, KW] int32, scales [BN, KW]); dense -> (tile [BN, 8 KW], the same tile)."""
+    [BN, KW] int32, scales [BN, KW]); dense -> (tile [BN, 8 KW], the same tile).
+    SV: load each 32-column group's scale once ([BN, KW / 4], contiguous) and repeat it in
+    registers, instead of one 2-byte load per word (same values; needs k_end % 32 == 0)."""
     if INT4:
         wi = kb // 8 + tl.arange(0, KW)  # [KW] word index
         wm = n_ok[:, None] & (wi < k_end // 8)[None, :]
         words = tl.load(w_base + n[:, None] * stride_wn + wi[None, :], mask=wm, other=0)
-        scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
+        if SV:
+            gi = kb // 32 + tl.arange(0, KW // 4)  # [KW / 4] group index
+            gm = n_ok[:, None] & (gi < k_end // 32)[None, :]
+            sg = tl.load(s_base + n[:, None] * stride_sn + gi[None, :], mask=gm, other=0)
+            sg = tl.broadcast_to(sg[:, :, None], (sg.shape[0], KW // 4, 4))  # [BN, KW / 4, 4]
+            scale = tl.reshape(sg, (sg.shape[0], KW))
+        else:
+            scale = tl.load(s_base + n[:, None] * stride_sn + (wi // 4)[None, :], mask=wm, other=0)
         return words, scale
     else:
         k = kb + tl.arange(0, 8 * KW)
@@ -89,14 +98,6 @@ def _convert(a, b, INT4: tl.constexpr, ASM: tl.constexpr):
             return _unpack(a, b)
     else:
         return a.to(tl.bfloat16)
-
-
-@triton.jit
-def _tile(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4: tl.constexpr,
-          KW: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """Rows n, columns kb .. kb + 8 KW of one expert's weight: [BN, 8 KW] bf16 (0 outside)."""
-    a, b = _load_raw(w_base, s_base, n, n_ok, kb, K, stride_wn, stride_sn, INT4, KW)
-    return _convert(a, b, INT4, ASM)
 
 
 @triton.jit

@@ -53,8 +53,18 @@ PATHS = [
     ({"variant": "v2", "ASM": False}, True),
     ({"variant": "v2", "GEMV": True}, True),
     ({"variant": "v2", "TUNED": True}, False),
+    ({"variant": "v2", "SVEC": True}, True),
 ]
-PATH_IDS = ["v1", "v2", "v2-inv", "v2-noasm", "v2-noasm-inv", "v2-gemv-inv", "v2-tuned"]
+PATH_IDS = [
+    "v1",
+    "v2",
+    "v2-inv",
+    "v2-noasm",
+    "v2-noasm-inv",
+    "v2-gemv-inv",
+    "v2-tuned",
+    "v2-svec-inv",
+]
 
 
 def check(
@@ -119,6 +129,8 @@ V2_CONFIGS = [
     dict(KW1=64, S1=2), dict(BN1=64, BN2=64), dict(KW2=32), dict(W1=8, W2=8),
     dict(PREFETCH=False), dict(PREFETCH=False, ASM=False), dict(TUNED=True), dict(GEMV=True),
     dict(GEMV=True, SPLIT=1), dict(GEMV=True, BN1=32, KW1=32, W1=4), dict(BN1=32, W1=4),
+    dict(SVEC=True), dict(SVEC=True, KW1=32), dict(SVEC=True, MAXREG=128),
+    dict(SVEC=True, GEMV=True),
 ]  # fmt: skip
 
 
@@ -155,7 +167,8 @@ def test_dense_bf16_weights(t, path):
 
 
 INVARIANT_PATHS = [
-    {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True}
+    {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True},
+    {"variant": "v2", "SVEC": True}, {"variant": "v2", "SVEC": True, "MAXREG": 128},
 ]  # fmt: skip
 
 
@@ -216,8 +229,10 @@ def test_asm_dequant_is_bitwise_the_pure_triton_one():
         ids, tw = random_routing(t, 384, 8, gen)
         a = fused_moe(x, ids, tw, w, config={"variant": "v2", "ASM": True}, invariant=True)
         b = fused_moe(x, ids, tw, w, config={"variant": "v2", "ASM": False}, invariant=True)
+        c = fused_moe(x, ids, tw, w, config={"variant": "v2", "SVEC": True}, invariant=True)
         print(f"T={t}: asm vs pure max diff {(a.float() - b.float()).abs().max().item():.3e}")
-        assert torch.equal(a, b)
+        print(f"T={t}: svec vs default max diff {(a.float() - c.float()).abs().max().item():.3e}")
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
