@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 import triton
-from bench_dense import OPS, H
+from bench_dense import OPS, H, is_matmul
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -74,7 +74,7 @@ def main() -> None:
         fp32 = s in invariant_configs.FP32_SETS
         fn = invariant_configs.FP32_SETS[s] if fp32 else invariant_configs.DENSE_SETS[s]
         for name, (kind, n, k) in OPS.items():
-            if kind == "rms" or (kind == "router") != fp32:
+            if not is_matmul(kind) or (kind == "router") != fp32:
                 continue
             cfg = fn(n, k, H if kind.startswith("bmm") else 1)
             try:

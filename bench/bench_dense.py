@@ -24,13 +24,19 @@ import torch
 from _util import environment, write_json
 
 from ddserve.kernels import invariant_configs
-from ddserve.kernels.invariant_ref import bmm_heads_ref, linear_ref, rms_norm_ref
+from ddserve.kernels.invariant_ref import (
+    bmm_heads_ref,
+    fixed_order_sum,
+    linear_ref,
+    rms_norm_ref,
+)
 
 M_LIST = [1, 8, 17, 40, 85, 136, 170, 330, 520, 650]
 H, D = 8, 7168  # heads per rank, hidden size
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
 # name -> (kind, N, K); linear weights are [N, K]; "bmm_uk" x [T, H, 128] @ [H, 128, 512],
-# "bmm_uv" x [T, H, 512] @ [H, 128, 512]^T; "rms" has width K.
+# "bmm_uv" x [T, H, 512] @ [H, 128, 512]^T; "rms" has width K ("rms_strided": rows of a
+# [M, K + 64] tensor, like MLA's c_kv); "rowsum" sums K fp32 values per row.
 OPS = {
     "q_a 7168->1536": ("linear", 1536, D),
     "kv_a 7168->576": ("linear", 576, D),
@@ -46,8 +52,13 @@ OPS = {
     "lm_head 7168->20480": ("linear", 20480, D),
     "rms_norm 7168": ("rms", 0, D),
     "rms_norm 1536": ("rms", 0, 1536),
-    "rms_norm 512 (strided)": ("rms", 0, 512),
+    "rms_norm 512 (strided)": ("rms_strided", 0, 512),
+    "router top-8 sum fp32": ("rowsum", 0, 8),  # torch: fixed_order_sum (3 elementwise adds)
 }
+
+
+def is_matmul(kind: str) -> bool:
+    return kind in ("linear", "router", "bmm_uk", "bmm_uv")
 
 
 def make_inputs(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, tuple]:
@@ -65,7 +76,9 @@ def make_inputs(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Te
         return r(mmax, H, k), (r(H, k, n, scale=k**-0.5),)
     if kind == "bmm_uv":
         return r(mmax, H, k), (r(H, n, k, scale=k**-0.5).transpose(1, 2),)
-    x = r(mmax, k + 64, scale=3.0)[:, :k] if "strided" in kind else r(mmax, k, scale=3.0)
+    if kind == "rowsum":
+        return r(mmax, k, dtype=torch.float32).abs(), ()
+    x = r(mmax, k + 64, scale=3.0)[:, :k] if kind == "rms_strided" else r(mmax, k, scale=3.0)
     return x, (r(k), 1e-6)
 
 
@@ -76,6 +89,8 @@ def fns(kind: str) -> tuple[Callable, Callable]:
         return invariant.linear, linear_ref
     if kind.startswith("bmm"):
         return invariant.bmm_heads, bmm_heads_ref
+    if kind == "rowsum":
+        return invariant.row_sum8, fixed_order_sum
     return invariant.rms_norm, rms_norm_ref
 
 
@@ -100,10 +115,10 @@ def graph_us(fn: Callable[[], torch.Tensor]) -> float:
     return ms * 1000
 
 
-def op_cost(kind: str, n: int, k: int, m: int, w: torch.Tensor) -> tuple[int, int]:
+def op_cost(kind: str, n: int, k: int, m: int, w: torch.Tensor | None) -> tuple[int, int]:
     """(bytes that must move at least once, flops) for M rows."""
-    if kind == "rms":
-        return 2 * m * k * 2, 0
+    if not is_matmul(kind):
+        return 2 * m * k * (4 if kind == "rowsum" else 2), 0
     heads = H if kind.startswith("bmm") else 1
     return w.numel() * w.element_size(), 2 * m * n * k * heads
 
@@ -122,7 +137,7 @@ def run_variant(name, kind, n, k, x, args, fn, ref_full, deadline) -> dict:
         if not torch.equal(fn(xm, *args), full[:m]):
             res["differing_m"].append(m)
         us = graph_us(lambda xm=xm: fn(xm, *args))
-        nbytes, flops = op_cost(kind, n, k, m, args[0])
+        nbytes, flops = op_cost(kind, n, k, m, args[0] if args else None)
         res["us"][m] = round(us, 2)
         res["GBps"][m] = round(nbytes / us / 1e3, 1)
         res["TFLOPs"][m] = round(flops / us / 1e6, 2)
@@ -162,15 +177,15 @@ def main() -> None:
             kind, n, k = OPS[o]
             if sel and (kind == "router") != (sel[0] == "fp32"):
                 continue
-            if sel and kind == "rms" and sel[1] != dense_sets[0]:
-                continue  # rms_norm has one configuration: time it once
+            if sel and not is_matmul(kind) and sel[1] != dense_sets[0]:
+                continue  # one configuration: time it once
             rec = out["ops"].setdefault(o, {"kind": kind, "n": n, "k": k})
             if time.time() > deadline:
                 rec.setdefault("skipped", []).append(vname)
                 continue
             x, args = inputs[o]
             fast, ref = fns(kind)
-            if sel and kind != "rms":
+            if sel and is_matmul(kind):
                 w = args[0]
                 heads = H if kind.startswith("bmm") else 1
                 cfg = invariant_configs.mm_config(n, k, w.dtype, heads)
