@@ -24,6 +24,9 @@ Triton does not pipeline these gathered loads (no cp.async in the PTX), so each 
 for its slot ids and then its keys: PREFETCH=1 loads the next tile's slot ids one iteration
 ahead (m16: 252 registers, no spill), PREFETCH=2 also its keys (spills except at BN=16). The
 PREFETCH variants of a configuration compute the same values in the same order (bitwise equal).
+Occupancy: m16 (252 x 256 threads) and m16p0 fit one program per SM; 4-warp BN=16 (242 / 219
+registers) two. With 8 warps and BM=16 each warp holds all of q for the score MMA (the warps
+split the keys), which is most of the register budget.
 """
 
 from __future__ import annotations
@@ -230,6 +233,7 @@ PRESETS = {
     "m16s1k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=1),
     "m16s2k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=2048, PREFETCH=1),
     "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=1),
+    "m16n16p0": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=0),
     "m16n16p2": dict(BM=16, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=2),
     "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
     "m32n16": dict(BM=32, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
