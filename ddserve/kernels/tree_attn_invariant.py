@@ -226,7 +226,7 @@ def _combine_kernel(
 # Fixed configurations (SPLIT: keys per split, a multiple of BN). One of them serves every call
 # of a serving process: a row's arithmetic then depends on nothing but its query and its keys.
 PRESETS = {
-    "r1": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024),  # round 1 (spills)
+    "r1": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0),  # round 1
     "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1),
     "m16p0": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
     "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1),
@@ -255,8 +255,9 @@ def tree_mla_attention_invariant(
     `config` overrides INVARIANT_CONFIG (a preset name or a dict of BM, BN, num_warps,
     num_stages, SPLIT); the engine must use one configuration for all its calls."""
     t, h, r = q_latent.shape
-    cfg = dict(INVARIANT_CONFIG)
-    cfg.update(PRESETS[config] if isinstance(config, str) else (config or {}))
+    cfg = (
+        dict(PRESETS[config]) if isinstance(config, str) else {**INVARIANT_CONFIG, **(config or {})}
+    )
     assert cfg["SPLIT"] % cfg["BN"] == 0
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
     tiles = triton.cdiv(q_max * h, cfg["BM"])
