@@ -34,6 +34,7 @@ VARIANTS = [  # defaults since round 2: BN1=64 W1=8 SPLIT=4 KW1=16 BN2=64 KW2=32
     ("v2-tuned", {**V2, "TUNED": True}, False),  # round-1 non-invariant default (atomics)
     ("v2-inv-svec", {**V2, "SVEC": True}, True),  # one scale load per group (same bits)
     ("v2-inv-svec-maxreg128", {**V2, "SVEC": True, "MAXREG": 128}, True),  # 2 programs / SM
+    ("v2-inv-svec-bn32-w4", {**V2, "SVEC": True, "BN1": 32, "W1": 4}, True),  # 3 programs / SM
     ("v2-inv-svec-kw32", {**V2, "SVEC": True, "KW1": 32}, True),
     ("v2-inv-gemv", {**V2, "GEMV": True}, True),  # CUDA-core up-projection (no tl.dot)
     ("v2-inv-gemv-svec", {**V2, "GEMV": True, "SVEC": True}, True),
@@ -65,6 +66,7 @@ ABLATIONS = [
     ("full-svec", {"SVEC": True}),
     ("load_only-svec", {"ABLATE": "load_only", "SVEC": True}),
     ("full-svec-maxreg128", {"SVEC": True, "MAXREG": 128}),
+    ("full-svec-bn32-w4", {"SVEC": True, "BN1": 32, "W1": 4}),
     ("full-bn32-kw64-w8", {"BN1": 32, "KW1": 64, "W1": 8}),
 ]
 

@@ -126,13 +126,13 @@ def _fake_bf16(words, scale):
 def _acc_step(acc, a, b, xk, INT4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
               MODE: tl.constexpr):  # fmt: skip
     """acc [BN, BM] += tile(a, b) @ xk, with `_load_raw`'s operands. MODE (ablations, INT4
-    only; every other stage kept): 0 the real step; 1 LOAD_ONLY (xor checksum of words and
+    only; every other stage kept): 0 the real step; 1 LOAD_ONLY (int sum of words and
     scale bits, no dequant, no MMA); 2 NO_MMA (real dequant, summed into acc elementwise instead
     of tl.dot); 3 FAKE_DEQUANT (bitcast words fed to the MMA)."""
     if MODE == 0 or not INT4:
         out = acc + _mma(_convert(a, b, INT4, ASM), xk, F32)
     elif MODE == 1:
-        cs = tl.xor_sum(a ^ b.to(tl.float32).to(tl.int32, bitcast=True), axis=1)  # [BN]
+        cs = tl.sum(a + b.to(tl.float32).to(tl.int32, bitcast=True), axis=1)  # [BN] (wraps)
         out = acc + cs.to(tl.float32)[:, None]
     elif MODE == 2:
         w = _convert(a, b, INT4, ASM).to(tl.float32)  # [BN, 8 KW]
