@@ -23,6 +23,15 @@ case "${1:-check}" in
     (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
     (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"
     ;;
+  speed2)  # round 2: MoE variants + ablations + ncu, attention presets, dense configs
+    (cd bench && timeout 130 python3 bench_moe.py --variants --out "$OUT/moe_variants_r2.json") 2>&1 | tail -12 >>"$LOG"
+    (cd bench && timeout 110 python3 bench_moe.py --ablate --budget 95 --out "$OUT/moe_ablate.json") 2>&1 | tail -30 >>"$LOG"
+    mkdir -p /tmp/ncu && OUT=/tmp/ncu timeout 75 bash bench/ncu_moe.sh >>"$LOG" 2>&1; cp /tmp/ncu/ncu_moe.txt "$OUT/" 2>/dev/null
+    (cd bench && timeout 125 python3 bench_tree_attn.py --presets --prefixes 1024,8192,32768 --budget-s 110 \
+      --out "$OUT/tree_attn_presets.json") 2>&1 | tail -25 >>"$LOG"
+    timeout 105 python3 bench/bench_dense.py --configs a,b --fp32-configs ieee,tf32x3 --budget 95 \
+      --out "$OUT/dense_ab.json" 2>&1 | tail -25 >>"$LOG"
+    ;;
   engine)  # K2.6 rank slice, CUDA graphs, batch-invariant kernels on, then off
     ARGS="--batches 1,5,10 --budgets 8,16 --corrupt 0,0.3 --cuda-graphs --max-seconds 150"
     OUT=$OUT bash bench/run_engine_gpu.sh $ARGS >/dev/null 2>&1
