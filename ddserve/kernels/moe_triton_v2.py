@@ -52,8 +52,10 @@ CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair
 # or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
     BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0,
-    GEMV=False, SVEC=False, MAXREG=0,
+    GEMV=False, SVEC=True, MAXREG=128,
 )  # fmt: skip
+# Round 2 on an H200 (bench/results/moe_variants_round2_2026-11-30.json): SVEC + MAXREG=128 was
+# the fastest at T >= 48 and within 10% of the best at T = 1..24 (1.5-1.6x round 1's default).
 # SVEC: one load per scale group (`moe_w4_tiles._load_raw`; round-1 code loaded a 2-byte scale
 # per word: 4x the words' load instructions at KW=16, seen in the sm_90 PTX). Same results.
 # ptxas sm_90 for the up kernel (default tiles): 174 registers, 130 with SVEC: one 8-warp program

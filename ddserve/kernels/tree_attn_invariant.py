@@ -239,7 +239,9 @@ PRESETS = {
     "m32n16": dict(BM=32, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
     "m32s1k": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0),
 }
-DEFAULT_PRESET = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", "m16")
+# m32: lowest geometric-mean and worst-case cost vs the default kernel over 42 cases on an H200
+# (bench/results/tree_attn_presets_round2_2026-11-30.json): 1.73x and 2.33x
+DEFAULT_PRESET = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", "m32")
 INVARIANT_CONFIG = dict(PRESETS[DEFAULT_PRESET])
 
 
