@@ -109,7 +109,8 @@ def fit_layers(args: argparse.Namespace, device: torch.device) -> int:
 def continuation_length(args: argparse.Namespace) -> int:
     """AR tokens per stream the oracle needs: the most any DDTree run can commit, plus one."""
     per_step = min(args.depth, max(args.budgets)) + 1
-    return max(args.warmup + args.steps, args.split_steps) * per_step + 1
+    steps = args.warmup + args.steps + 1  # + the eager routing-statistics step (CUDA graphs)
+    return max(steps, args.split_steps) * per_step + 1
 
 
 def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
