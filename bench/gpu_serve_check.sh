@@ -2,14 +2,14 @@
 # `ddserve serve` on every GPU of the machine (the embedded tiny model, tp = number of GPUs, NCCL
 # between Ray shard actors), then a streaming request, a small load test and /metrics, then a clean
 # shutdown. Needs Ray on PYTHONPATH (the device bundle). Logs and JSON under $OUT.
-#   OUT=results bash bench/gpu_serve_check.sh
+#   OUT=results [SERVE_ARGS=--cuda-graphs] bash bench/gpu_serve_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PORT=8011; URL=http://127.0.0.1:$PORT
-python3 -m ddserve serve --port $PORT > "$OUT/serve.log" 2>&1 &
+python3 -m ddserve serve --port $PORT ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 PID=$!
 for _ in $(seq 1 180); do grep -q "serving on" "$OUT/serve.log" && break; sleep 1; done
 grep -q "serving on" "$OUT/serve.log" || { echo "server did not start"; tail -50 "$OUT/serve.log"; kill -9 $PID; exit 1; }
