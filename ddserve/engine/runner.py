@@ -261,7 +261,8 @@ class ModelRunner:
             pos = torch.tensor([p for _, d, n in plan for p in range(d, d + n)], device=self.device)
             meta = self._meta([st for st, _, _ in plan], q_lens, new, causal_masks(q_lens))
             ends = (torch.tensor(q_lens).cumsum(0) - 1).to(self.device)  # [B] last row per block
-            out = self._forward(ids, pos, meta, absorbed=False, logit_rows=ends)  # logits [B, V]
+            with backend.prefill_phase():
+                out = self._forward(ids, pos, meta, absorbed=False, logit_rows=ends)  # [B, V]
         complete = [i for i, (st, d, n) in enumerate(plan) if d + n == len(st.prompt)]
         self._keep_slots([(st, slots) for (st, _, _), slots in zip(plan, new, strict=True)])
         self._prefill_hidden(plan, out.hidden, q_lens)

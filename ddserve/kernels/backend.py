@@ -84,6 +84,14 @@ def moe(device_type: str) -> Callable:
     return impl
 
 
+def prefill_phase():
+    """Context for prompt-chunk forwards: batch-invariant matmuls switch to large-tile,
+    no-split configurations (see `invariant_configs.prefill_phase`)."""
+    from ddserve.kernels.invariant_configs import prefill_phase as phase
+
+    return phase()
+
+
 def device_type(t: torch.Tensor | torch.device) -> str:
     return (t.device if isinstance(t, torch.Tensor) else t).type
 

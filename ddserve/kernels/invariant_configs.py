@@ -28,8 +28,10 @@ fp32 weights (the Router's gate):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -117,6 +119,29 @@ _current = {
 }
 
 
+def _prefill(n: int, k: int, heads: int) -> MMConfig:
+    """Prompt chunks (hundreds to thousands of rows): compute-bound, so large tensor-core tiles
+    and no K split (the split's fp32 partials cost M x N x split bytes). Still a function of the
+    weight only: a prompt's rows do not depend on which other prompts share its chunk."""
+    return MMConfig(128, 128 if n >= 128 else 64, 64, 1, 8, 4, "")
+
+
+_phase = {"prefill": False}
+
+
+@contextlib.contextmanager
+def prefill_phase() -> Iterator[None]:
+    """Within: 16-bit matmuls use the prefill configuration. Prefill rows are never compared with
+    decode rows (they only write the prompt's KV), so the two phases may differ; each phase on its
+    own is row-invariant."""
+    before = _phase["prefill"]
+    _phase["prefill"] = True
+    try:
+        yield
+    finally:
+        _phase["prefill"] = before
+
+
 def set_configs(dense: str | None = None, fp32: str | None = None) -> None:
     """Select the candidate set for 16-bit and / or fp32 weights (benchmarks only: a serving
     process must not switch between its AR and verify forwards)."""
@@ -135,6 +160,8 @@ def mm_config(n: int, k: int, dtype: torch.dtype, heads: int = 1) -> MMConfig:
     """The launch configuration for a [heads, K, N] weight of `dtype` in the current sets."""
     if dtype == torch.float32:
         return _cached(FP32_SETS[_current["fp32"]], n, k, heads)
+    if _phase["prefill"]:
+        return _cached(_prefill, n, k, heads)
     return _cached(DENSE_SETS[_current["dense"]], n, k, heads)
 
 
