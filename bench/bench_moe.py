@@ -27,17 +27,21 @@ from ddserve.kernels.moe_triton import _pick_bm, align_by_expert, fused_moe
 RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T = 1)
 # (name, config, invariant), in priority order (a run out of budget drops the last ones)
 V2 = {"variant": "v2"}
-VARIANTS = [  # defaults since round 2: BN1=64 W1=8 SPLIT=4 KW1=16 BN2=64 KW2=32, no atomics
-    ("v1", {"variant": "v1"}, False),
+VARIANTS = [  # defaults since round 3: TMA, BN1=64 W1=8 SPLIT=4 KW1=16 S1=3 SVEC MAXREG=128
+    ("v2-inv", V2, True),  # the default (TMA)
+    ("v2-inv-ptr", {**V2, "TMA": False}, True),  # round-2 default: pointer loads, 1-step prefetch
+    ("v2-inv-tma-s4", {**V2, "S1": 4}, True),  # 4 K steps in flight (45 KB shared)
+    ("v2-inv-tma-s6", {**V2, "S1": 6}, True),  # 6 K steps (70 KB shared)
+    ("v2-inv-tma-bn32-w4-s4", {**V2, "BN1": 32, "W1": 4, "S1": 4}, True),  # 4 programs / SM
+    ("v2-inv-tma-split8", {**V2, "SPLIT": 8}, True),
+    ("v2-inv-ptr-bn32-w4-maxreg128", {**V2, "TMA": False, "BN1": 32, "W1": 4}, True),
     ("v2", V2, False),
-    ("v2-inv", V2, True),
+    ("v1", {"variant": "v1"}, False),
     ("v2-tuned", {**V2, "TUNED": True}, False),  # round-1 non-invariant default (atomics)
-    ("v2-inv-svec", {**V2, "SVEC": True}, True),  # one scale load per group (same bits)
-    ("v2-inv-svec-maxreg128", {**V2, "SVEC": True, "MAXREG": 128}, True),  # 2 programs / SM
-    ("v2-inv-svec-bn32-w4", {**V2, "SVEC": True, "BN1": 32, "W1": 4}, True),  # 3 programs / SM
+    # below: round-2 variants; since round 3 the config keys not named take the TMA default
+    ("v2-inv-svec-bn32-w4", {**V2, "SVEC": True, "BN1": 32, "W1": 4}, True),
     ("v2-inv-svec-kw32", {**V2, "SVEC": True, "KW1": 32}, True),
     ("v2-inv-gemv", {**V2, "GEMV": True}, True),  # CUDA-core up-projection (no tl.dot)
-    ("v2-inv-gemv-svec", {**V2, "GEMV": True, "SVEC": True}, True),
     ("v2-inv-gemv-split8", {**V2, "GEMV": True, "SPLIT": 8}, True),
     ("v2-inv-gemv-bn32-kw32-w4", {**V2, "GEMV": True, "BN1": 32, "KW1": 32, "W1": 4}, True),
     ("v2-inv-noasm", {**V2, "ASM": False}, True),
@@ -154,7 +158,7 @@ def main() -> None:
         todo = [(n, {**V2, **c}, True) for n, c in ABLATIONS]
         res["variants"] = [dict(name=n, config=c, invariant=v) for n, c, v in todo]
     else:
-        todo = VARIANTS if args.variants else VARIANTS[1:3]
+        todo = VARIANTS if args.variants else VARIANTS[:2]
     for name, cfg, inv in todo:
         for row, x, ids, tw, ref in rows:
             if time.perf_counter() - start > args.budget:
@@ -200,6 +204,7 @@ def main() -> None:
             )
             print(f"torch reference T={row['T']}: {row['torch_ms']:.2f} ms")
     res["asm_error"] = moe_triton_v2.ASM_ERROR  # None unless the asm dequant failed to compile
+    res["tma_error"] = moe_triton_v2.TMA_ERROR  # None unless the TMA up kernel failed
     res["seconds"] = time.perf_counter() - start
     write_json(args.out, res)
 

@@ -5,9 +5,10 @@ decorated, so it must be set before ddserve's Triton modules are first imported 
 the subprocess prints one JSON record per check and the tests below assert on them.
 Checks: equal to `moe_ref` within tolerance (INT4 and dense bf16, T = 0 / 1 / 5 / 33, experts with
 no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the tuned mode, the
-CUDA-core GEMV up-projection); the ablation modes run; with invariant=True a token's row is
-bitwise the same alone as inside bigger batches with different routing of the other tokens
-(also across the host-side token chunking), for the MMA and the GEMV paths.
+CUDA-core GEMV up-projection); the TMA up kernel (default) gives the pointer kernel's bits;
+the ablation modes run; with invariant=True a token's row is bitwise the same alone as inside
+bigger batches with different routing of the other tokens (also across the host-side token
+chunking), for the MMA and the GEMV paths.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ def _child() -> None:
         b = fused_moe(xs, ids_s, tw_s, w, config={**cfg, "SVEC": True}, invariant=True)
         emit(kind="svec", name=str(cfg), same=bool(torch.equal(a, b)))
     accuracy("int4-gemv-split1", w, 6, 2, {"GEMV": True, "SPLIT": 1}, False)
+    odd = _random_int4(7, 320, 96, gen)  # H, I off the 128-column steps and BN (tail rows)
+    xo3 = torch.randn(4, 320, generator=gen).to(torch.bfloat16)
+    ido3, two3 = _routing(4, 7, 3, gen)
+    for ww, xx, ii, tt, cfg in (  # the TMA up kernel (default) gives the pointer kernel's bits
+        (w, xs, ids_s, tw_s, {}), (w, xs, ids_s, tw_s, {"SVEC": False, "SPLIT": 1}),
+        (odd, xo3, ido3, two3, {}), (odd, xo3, ido3, two3, {"SPLIT": 2, "KW1": 8}),
+    ):  # fmt: skip
+        a = fused_moe(xx, ii, tt, ww, config={**cfg, "TMA": True}, invariant=True)
+        b = fused_moe(xx, ii, tt, ww, config={**cfg, "TMA": False}, invariant=True)
+        emit(kind="tma", name=str(cfg), same=bool(torch.equal(a, b)), err=v2.TMA_ERROR)
     xa = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
     ida, twa = _routing(2, 8, 2, gen)
     for ab in v2.ABLATIONS:  # bench-only ablations: they run and keep the output's shape
@@ -161,6 +172,11 @@ def test_matches_reference(records):
 def test_scale_vector_load_is_bitwise_the_same(records):
     sv = [r for r in records if r["kind"] == "svec"]
     assert len(sv) == 2 and all(r["same"] for r in sv), sv
+
+
+def test_tma_up_kernel_is_bitwise_the_pointer_one(records):
+    tma = [r for r in records if r["kind"] == "tma"]
+    assert len(tma) == 4 and all(r["same"] and r["err"] is None for r in tma), tma
 
 
 def test_ablations_run(records):

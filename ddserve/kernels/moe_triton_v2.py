@@ -39,12 +39,14 @@ import triton.language as tl
 
 from ddserve.kernels.moe_gemv import _up_gemv_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
+from ddserve.kernels.moe_tma import tma_ok, up_tma
 from ddserve.kernels.moe_triton_v1 import align_by_expert
 from ddserve.kernels.moe_w4_tiles import _acc_step, _load_raw
 
 log = logging.getLogger(__name__)
 
 ASM_ERROR: str | None = None  # set when the asm dequant failed to compile (then auto-off)
+TMA_ERROR: str | None = None  # set when the TMA up kernel failed (then the pointer kernel)
 CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair buffer)
 # Registers (ptxas for sm_90, ASM on): up BN1=32 KW1=16 W1=4 with prefetch 134; down BN2=64 KW2=32
 # (all of K = 256 in one step) 132, vs BN2=128 KW2=16 244. BN1=64 at 4 warps hits the 255 cap.
@@ -52,8 +54,14 @@ CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair
 # or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
     BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0,
-    GEMV=False, SVEC=True, MAXREG=128,
+    GEMV=False, SVEC=True, MAXREG=128, TMA=True,
 )  # fmt: skip
+# TMA (round 3, `moe_tma`, INT4 only): the up kernel's weight words through a tensor descriptor,
+# TMA copies into shared memory pipelined S1 deep by Triton (PREFETCH is then unused); same K
+# order and arithmetic (same bits in the interpreter; both compile to wgmma m64n8k16 for sm_90).
+# ptxas sm_90 (default tiles): 117 registers without maxnreg (128 cap: no spills; the pointer
+# kernel spills 32 B at 128), 32 KB shared at S1=3: two 8-warp programs per SM, each with 3 K
+# steps (2 x 3 x 4 KB of words) in flight instead of 1. TMA=False: the round-2 pointer kernel.
 # Round 2 on an H200 (bench/results/moe_variants_round2_2026-11-30.json): SVEC + MAXREG=128 was
 # the fastest at T >= 48 and within 10% of the best at T = 1..24 (1.5-1.6x round 1's default).
 # SVEC: one load per scale group (`moe_w4_tiles._load_raw`; round-1 code loaded a 2-byte scale
@@ -308,6 +316,21 @@ def fused_moe_v2(
         return _launch(*args[:-1], dict(cfg, ASM=False))
 
 
+def _up_tma_or_fallback(up_args: tuple, up_kw: dict, interp: bool, cfg: dict):
+    """The TMA up kernel; if it fails to compile or launch (first call), the pointer kernel from
+    then on (same bits) and TMA_ERROR says why."""
+    global TMA_ERROR
+    try:
+        return up_tma(up_args, up_kw, interp)
+    except Exception as exc:  # noqa: BLE001 - e.g. no TMA on this GPU / triton build
+        TMA_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
+        log.warning("MoE TMA up kernel failed, using the pointer kernel: %s", TMA_ERROR)
+        grid = (up_args[8] * cfg["SPLIT"] * triton.cdiv(up_args[9], cfg["BN1"]),)
+        return _up_kernel[grid](
+            *up_args, **up_kw, F32=interp, PREFETCH=cfg["PREFETCH"], MODE=cfg["MODE"]
+        )
+
+
 def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) -> torch.Tensor:
     t, hidden = x.shape
     topk = topk_ids.shape[1]
@@ -341,6 +364,8 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
         up_kw["maxnreg"] = cfg["MAXREG"]
     if cfg["GEMV"]:  # CUDA-core up-projection (`moe_gemv`)
         k_up = _up_gemv_kernel[(grid_up,)](*up_args, **up_kw)
+    elif cfg.get("TMA") and int4 and cfg["MODE"] == 0 and tma_ok(w13, kw1) and TMA_ERROR is None:
+        k_up = _up_tma_or_fallback(up_args, up_kw, interp, cfg)
     else:
         k_up = _up_kernel[(grid_up,)](
             *up_args, **up_kw, F32=interp, PREFETCH=cfg["PREFETCH"], MODE=cfg["MODE"]

@@ -54,6 +54,7 @@ PATHS = [
     ({"variant": "v2", "GEMV": True}, True),
     ({"variant": "v2", "TUNED": True}, False),
     ({"variant": "v2", "SVEC": True}, True),
+    ({"variant": "v2", "TMA": False}, True),  # round-2 default (the TMA up kernel is the default)
 ]
 PATH_IDS = [
     "v1",
@@ -64,6 +65,7 @@ PATH_IDS = [
     "v2-gemv-inv",
     "v2-tuned",
     "v2-svec-inv",
+    "v2-ptr-inv",
 ]
 
 
@@ -130,7 +132,9 @@ V2_CONFIGS = [
     dict(PREFETCH=False), dict(PREFETCH=False, ASM=False), dict(TUNED=True), dict(GEMV=True),
     dict(GEMV=True, SPLIT=1), dict(GEMV=True, BN1=32, KW1=32, W1=4), dict(BN1=32, W1=4),
     dict(SVEC=True), dict(SVEC=True, KW1=32), dict(SVEC=True, MAXREG=128),
-    dict(SVEC=True, GEMV=True),
+    dict(SVEC=True, GEMV=True), dict(TMA=True, S1=4), dict(TMA=True, S1=6),
+    dict(TMA=True, BN1=32, W1=4, S1=4), dict(TMA=True, SPLIT=1), dict(TMA=True, SPLIT=8),
+    dict(TMA=False, BN1=32, W1=4, MAXREG=128),
 ]  # fmt: skip
 
 
@@ -169,6 +173,7 @@ def test_dense_bf16_weights(t, path):
 INVARIANT_PATHS = [
     {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True},
     {"variant": "v2", "SVEC": True}, {"variant": "v2", "SVEC": True, "MAXREG": 128},
+    {"variant": "v2", "TMA": False}, {"variant": "v2", "TMA": True, "S1": 4},
 ]  # fmt: skip
 
 
@@ -233,6 +238,37 @@ def test_asm_dequant_is_bitwise_the_pure_triton_one():
         print(f"T={t}: asm vs pure max diff {(a.float() - b.float()).abs().max().item():.3e}")
         print(f"T={t}: svec vs default max diff {(a.float() - c.float()).abs().max().item():.3e}")
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_tma_is_bitwise_the_pointer_kernel():
+    """The TMA up kernel (round 3) vs the pointer kernel with the same tiles: the same bits at
+    T = 1, 48, 192 (K2.6 shapes), for the default tiles and the variants the bench times. Every
+    pair is printed before the assert; TMA_ERROR (the TMA kernel failed, pointer fallback) too."""
+    from ddserve.kernels import moe_triton_v2
+    from ddserve.kernels.moe_triton import fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(11)
+    tiles = [{}, {"S1": 4}, {"S1": 6}, {"BN1": 32, "W1": 4, "S1": 4}, {"SPLIT": 8}]
+    bad = []
+    for t in (1, 48, 192):
+        x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
+        ids, tw = random_routing(t, 384, 8, gen)
+        ref = fused_moe(x, ids, tw, w, config={"variant": "v2", "TMA": False}, invariant=True)
+        for c in tiles:
+            a, b = (
+                fused_moe(x, ids, tw, w, config={"variant": "v2", "TMA": tma, **c}, invariant=True)
+                for tma in (True, False)
+            )
+            same, same_default = torch.equal(a, b), torch.equal(a, ref)
+            line = f"T={t} {c}: tma == pointer {same}, == pointer default tiles {same_default}, "
+            line += f"max diff {(a.float() - b.float()).abs().max().item():.3e}"
+            print(line)
+            if not same:
+                bad.append(line)
+    print("TMA_ERROR", moe_triton_v2.TMA_ERROR)
+    assert moe_triton_v2.TMA_ERROR is None
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
