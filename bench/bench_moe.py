@@ -30,7 +30,10 @@ V2 = {"variant": "v2"}
 VARIANTS = [  # defaults since round 3: TMA, BN1=64 W1=8 SPLIT=4 KW1=16 S1=3 SVEC MAXREG=128
     ("v2-inv", V2, True),  # the default (TMA)
     ("v2-inv-ptr", {**V2, "TMA": False}, True),  # round-2 default: pointer loads, 1-step prefetch
+    ("v2-inv-tma2", {**V2, "TMA2": True}, True),  # + TMA down kernel, 4 column tiles / program
     ("v2-inv-tma-s4", {**V2, "S1": 4}, True),  # 4 K steps in flight (45 KB shared)
+    ("v2-inv-tma2-nt2-s3", {**V2, "TMA2": True, "NT2": 2, "S2": 3}, True),
+    ("v2-inv-tma2-nt8-s3", {**V2, "TMA2": True, "NT2": 8, "S2": 3}, True),
     ("v2-inv-tma-s6", {**V2, "S1": 6}, True),  # 6 K steps (70 KB shared)
     ("v2-inv-tma-bn32-w4-s4", {**V2, "BN1": 32, "W1": 4, "S1": 4}, True),  # 4 programs / SM
     ("v2-inv-tma-split8", {**V2, "SPLIT": 8}, True),

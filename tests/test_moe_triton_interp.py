@@ -5,7 +5,7 @@ decorated, so it must be set before ddserve's Triton modules are first imported 
 the subprocess prints one JSON record per check and the tests below assert on them.
 Checks: equal to `moe_ref` within tolerance (INT4 and dense bf16, T = 0 / 1 / 5 / 33, experts with
 no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the tuned mode, the
-CUDA-core GEMV up-projection); the TMA up kernel (default) gives the pointer kernel's bits;
+CUDA-core GEMV up-projection); the TMA up (default) and down kernels give the pointer kernels' bits;
 the ablation modes run; with invariant=True a token's row is bitwise the same alone as inside
 bigger batches with different routing of the other tokens (also across the host-side token
 chunking), for the MMA and the GEMV paths.
@@ -99,12 +99,16 @@ def _child() -> None:
     odd = _random_int4(7, 320, 96, gen)  # H, I off the 128-column steps and BN (tail rows)
     xo3 = torch.randn(4, 320, generator=gen).to(torch.bfloat16)
     ido3, two3 = _routing(4, 7, 3, gen)
-    for ww, xx, ii, tt, cfg in (  # the TMA up kernel (default) gives the pointer kernel's bits
-        (w, xs, ids_s, tw_s, {}), (w, xs, ids_s, tw_s, {"SVEC": False, "SPLIT": 1}),
-        (odd, xo3, ido3, two3, {}), (odd, xo3, ido3, two3, {"SPLIT": 2, "KW1": 8}),
+    odd2 = _random_int4(5, 320, 64, gen)  # H = 320: a tail column tile in the down kernel
+    ido5, two5 = _routing(4, 5, 2, gen)
+    for ww, xx, ii, tt, cfg, on in (  # TMA up (default) / down kernels: the pointer kernels' bits
+        (w, xs, ids_s, tw_s, {"SVEC": False, "SPLIT": 1}, "TMA"),
+        (odd, xo3, ido3, two3, {"SPLIT": 2, "KW1": 8}, "TMA"),
+        (w, xs, ids_s, tw_s, {"KW2": 8}, "TMA2"),  # I = 64 = 8 KW2: one K step
+        (odd2, xo3, ido5, two5, {"KW2": 8, "NT2": 2}, "TMA2"),
     ):  # fmt: skip
-        a = fused_moe(xx, ii, tt, ww, config={**cfg, "TMA": True}, invariant=True)
-        b = fused_moe(xx, ii, tt, ww, config={**cfg, "TMA": False}, invariant=True)
+        a = fused_moe(xx, ii, tt, ww, config={**cfg, on: True}, invariant=True)
+        b = fused_moe(xx, ii, tt, ww, config={**cfg, on: False}, invariant=True)
         emit(kind="tma", name=str(cfg), same=bool(torch.equal(a, b)), err=v2.TMA_ERROR)
     xa = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
     ida, twa = _routing(2, 8, 2, gen)

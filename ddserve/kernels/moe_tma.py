@@ -101,6 +101,67 @@ def _up_tma_kernel(
         tl.store(o_ptrs + N_half, acc_u, mask=n_ok[:, None])
 
 
+@triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
+def _down_tma_kernel(
+    h_ptr, w_desc, s_ptr, out_ptr, pairs_ptr, bexp_ptr, tw_ptr,
+    num_pairs, num_experts, num_mblocks, N,
+    stride_h, stride_se, stride_sn, stride_o,
+    K: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr,
+    ASM: tl.constexpr, ATOMIC: tl.constexpr, F32: tl.constexpr, SV: tl.constexpr,
+):  # fmt: skip
+    """`moe_triton_v2._down_kernel` for K = 8 KW (all of K in one step, K2.6: I = 256): each
+    program does NT column tiles of BN in turn, their weight words through the descriptor
+    (pipelined num_stages tiles deep); h is loaded once. Per tile: the same operands and one MMA
+    of the same shape as the pointer kernel."""
+    KW: tl.constexpr = K // 8
+    pid = tl.program_id(0)
+    pid_m = pid % num_mblocks
+    pid_n = pid // num_mblocks
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    wt = tl.load(tw_ptr + pair, mask=valid, other=0.0)  # [BM] top-k weight of each pair
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    k = tl.arange(0, K)
+    hk = tl.load(h_ptr + rows[None, :] * stride_h + k[:, None])  # [K, BM]
+    if ATOMIC:
+        o_row = (pair // TOPK)[None, :] * stride_o
+    else:
+        o_row = pair[None, :] * stride_o
+    for j in range(0, NT):
+        n0 = (pid_n * NT + j) * BN
+        n = n0 + tl.arange(0, BN)
+        n_ok = n < N
+        a = w_desc.load([(e * N + n0).to(tl.int32), 0])  # [BN, KW] int32
+        b = _scales(s_base, n, n_ok, 0, K, stride_sn, KW, SV)
+        acc = _mma(_tile(a, b, ASM), hk, F32)  # [BN, BM]
+        y = acc * wt[None, :]
+        m = valid[None, :] & n_ok[:, None]
+        if ATOMIC:  # out [T, N] fp32
+            tl.atomic_add(out_ptr + o_row + n[:, None], y, mask=m)
+        else:  # out [P, N] fp32, one row per (token, slot) pair
+            tl.store(out_ptr + o_row + n[:, None], y, mask=m)
+
+
+def down_tma_ok(w2: torch.Tensor, kw: int) -> bool:
+    """`tma_ok` and all of K (I) in one KW step."""
+    return tma_ok(w2, kw) and w2.shape[2] == kw
+
+
+def down_tma(args: tuple, nt: int, cfg: dict, meta: dict):
+    """Launch `_down_tma_kernel` with `moe_triton_v2._launch`'s down-kernel arguments."""
+    (h, w2, s2, y, pairs, bexp, tw, p, ne, nb, hidden, sh, _swe, _swn, sse, ssn, so) = args
+    desc = TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [cfg["BN2"], w2.shape[2]])
+    grid = (nb * triton.cdiv(hidden, cfg["BN2"] * nt),)
+    return _down_tma_kernel[grid](
+        h, desc, s2, y, pairs, bexp, tw, p, ne, nb, hidden, sh, sse, ssn, so,
+        K=w2.shape[2] * 8, BN=cfg["BN2"], NT=nt, **meta,
+    )  # fmt: skip
+
+
 def tma_ok(w13: torch.Tensor, kw: int) -> bool:
     """Whether the descriptor path can run: contiguous int32 words, 16-byte aligned base and
     rows, a box at least 16 bytes wide."""

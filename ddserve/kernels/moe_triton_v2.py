@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ddserve.kernels.moe_gemv import _up_gemv_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
-from ddserve.kernels.moe_tma import tma_ok, up_tma
+from ddserve.kernels.moe_tma import down_tma, down_tma_ok, tma_ok, up_tma
 from ddserve.kernels.moe_triton_v1 import align_by_expert
 from ddserve.kernels.moe_w4_tiles import _acc_step, _load_raw
 
@@ -54,7 +54,7 @@ CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair
 # or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
     BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0,
-    GEMV=False, SVEC=True, MAXREG=128, TMA=True,
+    GEMV=False, SVEC=True, MAXREG=128, TMA=True, TMA2=False, NT2=4,
 )  # fmt: skip
 # TMA (round 3, `moe_tma`, INT4 only): the up kernel's weight words through a tensor descriptor,
 # TMA copies into shared memory pipelined S1 deep by Triton (PREFETCH is then unused); same K
@@ -62,6 +62,8 @@ INVARIANT_CONFIG = dict(
 # ptxas sm_90 (default tiles): 117 registers without maxnreg (128 cap: no spills; the pointer
 # kernel spills 32 B at 128), 32 KB shared at S1=3: two 8-warp programs per SM, each with 3 K
 # steps (2 x 3 x 4 KB of words) in flight instead of 1. TMA=False: the round-2 pointer kernel.
+# TMA2 (`moe_tma._down_tma_kernel`, when I = 8 KW2): the down kernel does NT2 column tiles per
+# program, their words through a descriptor pipelined S2 deep (h loaded once); same bits.
 # Round 2 on an H200 (bench/results/moe_variants_round2_2026-11-30.json): SVEC + MAXREG=128 was
 # the fastest at T >= 48 and within 10% of the best at T = 1..24 (1.5-1.6x round 1's default).
 # SVEC: one load per scale group (`moe_w4_tiles._load_raw`; round-1 code loaded a 2-byte scale
@@ -381,14 +383,20 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
         rows_out, hidden, dtype=torch.float32, device=dev
     )
     grid_down = nb * triton.cdiv(hidden, cfg["BN2"])
-    k_down = _down_kernel[(grid_down,)](
+    down_args = (
         h, w2, s2, y, sorted_pairs, block_expert, tw,
         p, num_experts, nb, hidden,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        K=inter, TOPK=topk, INT4=int4, BM=bm, BN=cfg["BN2"], KW=cfg["KW2"], ASM=cfg["ASM"],
-        ATOMIC=cfg["ATOMIC"], F32=interp, MODE=cfg["MODE"], SV=sv, num_warps=cfg["W2"],
-        num_stages=cfg["S2"],
     )  # fmt: skip
+    meta = dict(TOPK=topk, ASM=cfg["ASM"], ATOMIC=cfg["ATOMIC"], F32=interp, SV=sv, BM=bm,
+                num_warps=cfg["W2"], num_stages=cfg["S2"])  # fmt: skip
+    if cfg["TMA2"] and int4 and cfg["MODE"] == 0 and down_tma_ok(w2, cfg["KW2"]):
+        grid_down = nb * triton.cdiv(hidden, cfg["BN2"] * cfg["NT2"])
+        k_down = down_tma(down_args, cfg["NT2"], cfg, meta)
+    else:
+        k_down = _down_kernel[(grid_down,)](
+            *down_args, K=inter, INT4=int4, BN=cfg["BN2"], KW=cfg["KW2"], MODE=cfg["MODE"], **meta
+        )
     _note_launch("up", k_up, grid_up, cfg["W1"])
     _note_launch("down", k_down, grid_down, cfg["W2"])
     if cfg["ATOMIC"]:

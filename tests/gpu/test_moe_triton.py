@@ -134,7 +134,8 @@ V2_CONFIGS = [
     dict(SVEC=True), dict(SVEC=True, KW1=32), dict(SVEC=True, MAXREG=128),
     dict(SVEC=True, GEMV=True), dict(TMA=True, S1=4), dict(TMA=True, S1=6),
     dict(TMA=True, BN1=32, W1=4, S1=4), dict(TMA=True, SPLIT=1), dict(TMA=True, SPLIT=8),
-    dict(TMA=False, BN1=32, W1=4, MAXREG=128),
+    dict(TMA=False, BN1=32, W1=4, MAXREG=128), dict(TMA2=True), dict(TMA2=True, NT2=8, S2=3),
+    dict(TMA2=True, BM=32),
 ]  # fmt: skip
 
 
@@ -174,6 +175,7 @@ INVARIANT_PATHS = [
     {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True},
     {"variant": "v2", "SVEC": True}, {"variant": "v2", "SVEC": True, "MAXREG": 128},
     {"variant": "v2", "TMA": False}, {"variant": "v2", "TMA": True, "S1": 4},
+    {"variant": "v2", "TMA2": True},
 ]  # fmt: skip
 
 
@@ -241,7 +243,8 @@ def test_asm_dequant_is_bitwise_the_pure_triton_one():
 
 
 def test_tma_is_bitwise_the_pointer_kernel():
-    """The TMA up kernel (round 3) vs the pointer kernel with the same tiles: the same bits at
+    """The TMA up kernel (round 3) vs the pointer kernel with the same tiles (TMA2: the TMA down
+    kernel vs the pointer down kernel, with the TMA up kernel on both sides): the same bits at
     T = 1, 48, 192 (K2.6 shapes), for the default tiles and the variants the bench times. Every
     pair is printed before the assert; TMA_ERROR (the TMA kernel failed, pointer fallback) too."""
     from ddserve.kernels import moe_triton_v2
@@ -250,15 +253,18 @@ def test_tma_is_bitwise_the_pointer_kernel():
     w = k26_experts()
     gen = torch.Generator().manual_seed(11)
     tiles = [{}, {"S1": 4}, {"S1": 6}, {"BN1": 32, "W1": 4, "S1": 4}, {"SPLIT": 8}]
+    tiles += [{"TMA2": True}, {"TMA2": True, "NT2": 2, "S2": 3}, {"TMA2": True, "NT2": 8, "S2": 3}]
     bad = []
     for t in (1, 48, 192):
         x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
         ids, tw = random_routing(t, 384, 8, gen)
         ref = fused_moe(x, ids, tw, w, config={"variant": "v2", "TMA": False}, invariant=True)
         for c in tiles:
+            on = {"TMA": True} if "TMA2" not in c else {}  # TMA2 runs with the TMA up kernel
+            off = {"TMA": False} if "TMA2" not in c else {"TMA2": False}
             a, b = (
-                fused_moe(x, ids, tw, w, config={"variant": "v2", "TMA": tma, **c}, invariant=True)
-                for tma in (True, False)
+                fused_moe(x, ids, tw, w, config={"variant": "v2", **c, **o}, invariant=True)
+                for o in (on, off)
             )
             same, same_default = torch.equal(a, b), torch.equal(a, ref)
             line = f"T={t} {c}: tma == pointer {same}, == pointer default tiles {same_default}, "
