@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute on one fused_moe call (K2.6 per-rank shapes, T=192, default invariant config):
 # SpeedOfLight, MemoryWorkloadAnalysis, WarpStateStats, LaunchStats, Occupancy of the MoE kernels
-# (_up_kernel, _silu_kernel, _down_kernel, _combine_kernel), printed as a compact text report
+# (_up[_tma]_kernel, _silu_kernel, _down[_tma]_kernel, _combine_kernel), printed as a compact text report
 # (<= 200 lines) to stdout and to $OUT/ncu_moe.txt (raw CSV in $OUT/ncu_moe.csv).
+# MOE_CONFIG='{"TMA": false}' (JSON) profiles that config instead of the default.
 # Exits 2 within ~30 s with a clear message when ncu is missing or cannot read the GPU counters
 # (e.g. the gVisor runtime). Usage, from the repository root: bash bench/ncu_moe.sh   (< 90 s)
 set -u
@@ -37,7 +38,7 @@ fi
 
 # 2. The MoE call: compile and warm up outside the profiled range, then one call inside it.
 DRIVER=$(cat <<'EOF'
-import math, os, torch
+import json, math, os, torch
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton import fused_moe
 from ddserve.kernels.moe_triton_v2 import INVARIANT_CONFIG
@@ -54,19 +55,20 @@ w = ExpertWeights(w13_packed=w13, w13_scale=s13, w2_packed=w2, w2_scale=s2)
 x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
 ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1).indices
 tw = torch.rand(t, k, device="cuda", generator=g)
+cfg = json.loads(os.environ.get("MOE_CONFIG") or "{}")
 for _ in range(3):
-    fused_moe(x, ids, tw, w, invariant=True)
+    fused_moe(x, ids, tw, w, config=cfg, invariant=True)
 torch.cuda.synchronize()
-print("config", INVARIANT_CONFIG, "T", t, "distinct experts", int(torch.unique(ids).numel()))
+print("config", {**INVARIANT_CONFIG, **cfg}, "T", t, "distinct experts", int(torch.unique(ids).numel()))
 torch.cuda.profiler.start()
-fused_moe(x, ids, tw, w, invariant=True)
+fused_moe(x, ids, tw, w, config=cfg, invariant=True)
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 EOF
 )
 CSV="$OUTDIR/ncu_moe.csv"
 T=$T timeout 75 "$NCU" --clock-control none --profile-from-start off \
-  -k 'regex:^_(up|silu|down|combine)_kernel' \
+  -k 'regex:^_(up|silu|down|combine)(_tma)?_kernel' \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section LaunchStats --section Occupancy --csv --page details \
   python3 -c "$DRIVER" >"$CSV" 2>"$OUTDIR/ncu_moe.stderr"

@@ -7,9 +7,12 @@ Launches after `align_by_expert` (torch ops, no host sync):
             each walking K / SPLIT columns (more loads in flight when few experts are touched).
             With SPLIT == 1 the SiLU-mul is fused and h is written directly. PREFETCH: the next
             K step's words are loaded (into registers) before this step's are dequantized.
+   TMA (default since round 3, `moe_tma`): the weight words through a tensor descriptor, TMA
+            copies pipelined S1 steps deep by Triton instead of the 1-step register prefetch.
    GEMV (config, `moe_gemv`): the same with CUDA-core dot products, row by row (no tl.dot).
 2. silu:    h[r] = silu(sum_s gate part) * (sum_s up part), splits summed in order 0..SPLIT-1, bf16.
 3. down:    y[p] = w_p * (h[p] @ W2_e^T). Fast mode: fp32 atomic adds into out[t].
+            TMA2 (config, `moe_tma`): NT2 column tiles per program, words through a descriptor.
             Invariant mode: y stored per pair ([P, H] fp32), then
 4. combine: out[t] = sum_j y[t * k + j] in slot order j = 0..k-1, cast to x.dtype.
 
