@@ -118,6 +118,26 @@ def _run_checks() -> dict:
         attn(q, qp, kv, meta, invariant=True, config={**SMALL, "PREFETCH": pf}) for pf in (1, 2)
     ]
     res["prefetch_bad_rows"] = sum(int((o != full).any(-1).any(-1).sum()) for o in outs)
+
+    # 5) TAIL=1 (tail tiles in a second launch): same bits as one launch (numpy matmul here),
+    # AR-consistent and batch-invariant, also with one split (raw state handed over in po)
+    tail = {**SMALL, "TAIL": 1}
+    bad = int((attn(q, qp, kv, meta, invariant=True, config=tail) != full).any(-1).any(-1).sum())
+    for blocks in ([0], [2, 1, 0]):
+        sub, rows = select_blocks(meta, blocks)
+        part = attn(q[rows], qp[rows], kv, sub, invariant=True, config=tail)
+        bad += int((part != full[rows]).any(-1).any(-1).sum())
+    for i, (heads, pls, qls) in enumerate(cases[:3]):
+        slots = sum(pls) + sum(qls) + 3
+        meta = random_meta(pls, qls, slots, seed=10 + i)
+        q, qp, kv = _inputs(meta, heads, slots, 10 + i)
+        for cfg in (tail, {**tail, "SPLIT": 256}):
+            tree = attn(q, qp, kv, meta, invariant=True, config=cfg)
+            ar = attn(q, qp, kv, ar_meta(meta), invariant=True, config=cfg)
+            bad += int((tree != ar).any(-1).any(-1).sum())
+        ref = tree_mla_attention_ref(q.float(), qp.float(), kv.float(), meta, SCALE)
+        res[f"tail_ref_{i}"] = ((tree.float() - ref).norm() / ref.norm()).item()
+    res["tail_bad_rows"] = bad
     return res
 
 
@@ -148,6 +168,12 @@ def test_rows_do_not_depend_on_the_batch():
 
 def test_prefetch_variants_bitwise_equal():
     assert _results()["prefetch_bad_rows"] == 0
+
+
+def test_split_tail_launch_same_bits_and_accurate():
+    res = _results()
+    errs = [v for k, v in res.items() if k.startswith("tail_ref_")]
+    assert res["tail_bad_rows"] == 0 and len(errs) == 3 and max(errs) < 1e-2, res
 
 
 if __name__ == "__main__":

@@ -226,6 +226,12 @@ def _combine_kernel(
 # Fixed configurations (SPLIT: keys per split, a multiple of BN). One of them serves every call
 # of a serving process: a row's arithmetic then depends on nothing but its query and its keys.
 PRESETS = {
+    # TAIL=1: the per-token tail tiles in a second launch (tree_attn_invariant_tail.py)
+    "t32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1, TAIL=1),
+    "t32s256": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
+    "t64": dict(BM=64, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
+    "t64n64": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0, TAIL=1),
+    "t16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
     "r1": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0),  # round 1
     "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1),
     "m16p0": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
@@ -275,17 +281,23 @@ def tree_mla_attention_invariant(
         return out
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
-    _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
-        q_latent, q_rope, kv_cache, out, po, plse,
-        meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
-        softmax_scale * math.log2(math.e), tiles, nsplit,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
-        mask.stride(1),
-        H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
-        PREFETCH=cfg.get("PREFETCH", 0),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    if cfg.get("TAIL"):
+        from ddserve.kernels.tree_attn_invariant_tail import _launch_split_tail
+
+        _launch_split_tail(q_latent, q_rope, kv_cache, out, po, plse, meta, softmax_scale, cfg,
+                           tiles, nsplit)  # fmt: skip
+    else:
+        _tree_attn_inv_kernel[    (nblocks * tiles, nsplit)](
+            q_latent, q_rope, kv_cache, out, po, plse,
+            meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
+            softmax_scale * math.log2(math.e), tiles, nsplit,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
+            mask.stride(1),
+            H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
+            PREFETCH=cfg.get("PREFETCH", 0),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
     if nsplit > 1:
         _combine_kernel[(t * h,)](po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r)
     return out
