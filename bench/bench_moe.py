@@ -61,9 +61,15 @@ VARIANTS = [  # defaults since round 3: TMA, BN1=64 W1=8 SPLIT=4 KW1=16 S1=3 SVE
 ]
 ABLATE_RATIOS = [8 / 384, 1, 4]  # T = 1, 48, 192
 # (name, config): leave one stage out of the default invariant path (results are wrong on purpose)
+# Since round 3 the default up kernel is the TMA one. Mind: with no tl.dot in the loop (LOAD_ONLY)
+# Triton does not pipeline the TMA loads (sm_90 PTX: 1 stage, 4 KB shared), so load_only (TMA)
+# is a synchronous-TMA floor, not the loads of the real kernel; load_only-ptr is round 2's.
 ABLATIONS = [
     ("full", {}),
     ("load_only", {"ABLATE": "load_only"}),
+    ("full-ptr", {"TMA": False}),  # round-2 default: pointer loads
+    ("load_only-ptr", {"ABLATE": "load_only", "TMA": False}),
+    ("load_only-tma-s6", {"ABLATE": "load_only", "S1": 6}),
     ("no_mma", {"ABLATE": "no_mma"}),
     ("fake_dequant", {"ABLATE": "fake_dequant"}),
     ("load_only-kw32", {"ABLATE": "load_only", "KW1": 32}),

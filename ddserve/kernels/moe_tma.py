@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ddserve.kernels.moe_triton_v1 import _unpack
-from ddserve.kernels.moe_w4_tiles import _mma, _unpack_asm
+from ddserve.kernels.moe_w4_tiles import _acc_step, _mma, _unpack_asm
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _up_tma_kernel(
     stride_x, stride_se, stride_sn, stride_os, stride_or,
     K: tl.constexpr, K_CHUNK: tl.constexpr, TOPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    F32: tl.constexpr, SV: tl.constexpr,
+    F32: tl.constexpr, SV: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_m = pid % num_mblocks
@@ -90,8 +90,8 @@ def _up_tma_kernel(
         k = kb + tl.arange(0, STEP)
         xm = valid[None, :] & (k < K)[:, None]
         xk = tl.load(x_ptr + tok[None, :] * stride_x + k[:, None], mask=xm, other=0.0)  # [STEP, BM]
-        acc_g += _mma(_tile(gw, gs, ASM), xk, F32)
-        acc_u += _mma(_tile(uw, us, ASM), xk, F32)
+        acc_g = _acc_step(acc_g, gw, gs, xk, True, ASM, F32, MODE)  # MODE 0: += tile(gw) @ xk
+        acc_u = _acc_step(acc_u, uw, us, xk, True, ASM, F32, MODE)
     o_ptrs = out_ptr + pid_s * stride_os + rows[None, :].to(tl.int64) * stride_or + n[:, None]
     if SPLIT == 1:  # out is h [rows, N_half] bf16
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -174,7 +174,7 @@ def tma_ok(w13: torch.Tensor, kw: int) -> bool:
     )
 
 
-def up_tma(up_args: tuple, up_kw: dict, interp: bool):
+def up_tma(up_args: tuple, up_kw: dict, interp: bool, mode: int = 0):
     """Launch `_up_tma_kernel` with `moe_triton_v2._launch`'s up-kernel arguments (pointer w13,
     its strides) turned into the descriptor form. Returns the compiled kernel."""
     (xin, w13, s13, part, pairs, bexp, p, ne, nb, inter, sx, _swe, _swn, sse, ssn, sos, sor) = (
@@ -186,5 +186,5 @@ def up_tma(up_args: tuple, up_kw: dict, interp: bool):
     grid = (nb * up_kw["SPLIT"] * triton.cdiv(inter, up_kw["BN"]),)
     return _up_tma_kernel[grid](
         xin, desc, s13, part, pairs, bexp, p, ne, nb, inter, sx, sse, ssn, sos, sor,
-        **kw, F32=interp,
+        **kw, F32=interp, MODE=mode,
     )  # fmt: skip

@@ -326,7 +326,7 @@ def _up_tma_or_fallback(up_args: tuple, up_kw: dict, interp: bool, cfg: dict):
     then on (same bits) and TMA_ERROR says why."""
     global TMA_ERROR
     try:
-        return up_tma(up_args, up_kw, interp)
+        return up_tma(up_args, up_kw, interp, cfg["MODE"])
     except Exception as exc:  # noqa: BLE001 - e.g. no TMA on this GPU / triton build
         TMA_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
         log.warning("MoE TMA up kernel failed, using the pointer kernel: %s", TMA_ERROR)
@@ -369,7 +369,7 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
         up_kw["maxnreg"] = cfg["MAXREG"]
     if cfg["GEMV"]:  # CUDA-core up-projection (`moe_gemv`)
         k_up = _up_gemv_kernel[(grid_up,)](*up_args, **up_kw)
-    elif cfg.get("TMA") and int4 and cfg["MODE"] == 0 and tma_ok(w13, kw1) and TMA_ERROR is None:
+    elif cfg.get("TMA") and int4 and tma_ok(w13, kw1) and TMA_ERROR is None:
         k_up = _up_tma_or_fallback(up_args, up_kw, interp, cfg)
     else:
         k_up = _up_kernel[(grid_up,)](
