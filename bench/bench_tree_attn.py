@@ -39,6 +39,10 @@ from ddserve.kernels.tree_attn_invariant import (  # noqa: E402
     PRESETS,
     _tree_attn_inv_kernel,
 )
+from ddserve.kernels.tree_attn_invariant_tail import (  # noqa: E402
+    _inv_shared_kernel,
+    _inv_tail_kernel,
+)
 from ddserve.kernels.tree_attn_triton import tree_mla_attention  # noqa: E402
 
 SCALE = 0.144680
@@ -72,6 +76,13 @@ def kernel_resources(fn, seen: set) -> list[dict]:
     return rows
 
 
+def _preset_resources(name: str, seen: set) -> list[dict]:
+    """The binaries a preset ran: TAIL=1 presets launch a shared-tile and a tail kernel."""
+    if PRESETS[name].get("TAIL"):
+        return kernel_resources(_inv_shared_kernel, seen) + kernel_resources(_inv_tail_kernel, seen)
+    return kernel_resources(_tree_attn_inv_kernel, seen)
+
+
 def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: set) -> dict:
     """Default mode and every invariant preset on one case: ms each (graph replay)."""
     ql = budget + 1 if budget else 1
@@ -87,11 +98,11 @@ def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: 
 
     row = dict(streams=nb, budget=budget, q_len=ql, prefix=pl, ms=time_ms(call, rep=rep))
     base = call(invariant=True, config=DEFAULT_PRESET)
-    resources.setdefault(DEFAULT_PRESET, kernel_resources(_tree_attn_inv_kernel, seen))
+    resources.setdefault(DEFAULT_PRESET, _preset_resources(DEFAULT_PRESET, seen))
     for name in PRESETS:
         try:
             out = call(name, True)
-            resources.setdefault(name, kernel_resources(_tree_attn_inv_kernel, seen))
+            resources.setdefault(name, _preset_resources(name, seen))
             row[f"{name}_ms"] = time_ms(lambda n=name: call(n, True), rep=rep)
             row[f"{name}_over_default"] = row[f"{name}_ms"] / row["ms"]
             row[f"{name}_max_diff_vs_{DEFAULT_PRESET}"] = (out - base).abs().max().item()
@@ -101,13 +112,21 @@ def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: 
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per preset: geometric mean and max of its time over the default mode's, over all cases."""
+    """Per preset: geometric mean and max of its time over the default mode's, over all cases,
+    and the geometric mean per group (decode; trees by prefix length): where a preset loses."""
     out = {}
+    groups = {"decode": lambda x: x["budget"] == 0}
+    for pl in sorted({x["prefix"] for x in rows}):
+        groups[f"tree_{pl}"] = lambda x, pl=pl: x["budget"] > 0 and x["prefix"] == pl
     for name in PRESETS:
         ratios = [x[f"{name}_over_default"] for x in rows if f"{name}_over_default" in x]
         if ratios:
             geo = float(torch.tensor(ratios).log().mean().exp())
             out[name] = dict(geomean=geo, max=max(ratios), cases=len(ratios))
+            for g, sel in groups.items():
+                rg = [x[f"{name}_over_default"] for x in rows if sel(x) and f"{name}_ms" in x]
+                if rg:
+                    out[name][g] = float(torch.tensor(rg).log().mean().exp())
     return dict(sorted(out.items(), key=lambda kv: kv[1]["geomean"]))
 
 

@@ -24,7 +24,7 @@ Triton does not pipeline these gathered loads (no cp.async in the PTX), so each 
 for its slot ids and then its keys: PREFETCH=1 loads the next tile's slot ids one iteration
 ahead (m16: 252 registers, no spill), PREFETCH=2 also its keys (spills except at BN=16). The
 PREFETCH variants of a configuration compute the same values in the same order (bitwise equal).
-Occupancy: m16 (252 x 256 threads) and m16p0 fit one program per SM; 4-warp BN=16 (242 / 219
+Occupancy: m16 (252 x 256 threads) fits one program per SM; 4-warp BN=16 (242 / 219
 registers) two. With 8 warps and BM=16 each warp holds all of q for the score MMA (the warps
 split the keys), which is most of the register budget.
 """
@@ -226,24 +226,24 @@ def _combine_kernel(
 # Fixed configurations (SPLIT: keys per split, a multiple of BN). One of them serves every call
 # of a serving process: a row's arithmetic then depends on nothing but its query and its keys.
 PRESETS = {
-    # TAIL=1: the per-token tail tiles in a second launch (tree_attn_invariant_tail.py)
-    "t32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1, TAIL=1),
-    "t32s256": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
+    # TAIL=1: the per-token tail tiles in a second launch (tree_attn_invariant_tail.py); ptxas
+    # sm_90 registers of the shared-tile kernel: t32 171, t16/t16s256 128 (two programs per SM),
+    # t16n16 167 (4 warps: three per SM), t32n64 255, t64 255 + 360 B spill (wgmma), t64n64 436 B
+    "t32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
+    "t32s256": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=0, TAIL=1),
+    "t16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1, TAIL=1),
+    "t16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
+    "t16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
+    "t32n64": dict(BM=32, BN=64, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
     "t64": dict(BM=64, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
     "t64n64": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0, TAIL=1),
-    "t16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
-    "r1": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0),  # round 1
-    "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1),
-    "m16p0": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
-    "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1),
-    "m16s1k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=1),
-    "m16s2k": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=2048, PREFETCH=1),
-    "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=1),
-    "m16n16p0": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=0),
-    "m16n16p2": dict(BM=16, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=2),
+    # one launch (round 2; r1, m16p0, m16s1k, m16s2k, m16n16p0, m32n16, m32s1k were dropped:
+    # slower everywhere in bench/results/tree_attn_presets_round2_2026-11-30.json)
     "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
-    "m32n16": dict(BM=32, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
-    "m32s1k": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0),
+    "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1),
+    "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1),
+    "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=1),
+    "m16n16p2": dict(BM=16, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=2),
 }
 # m32: lowest geometric-mean and worst-case cost vs the default kernel over 42 cases on an H200
 # (bench/results/tree_attn_presets_round2_2026-11-30.json): 1.73x and 2.33x
