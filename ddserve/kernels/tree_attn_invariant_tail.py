@@ -7,11 +7,11 @@ tile. Only the work is cut in two launches:
   the tile's rows). A split that ends inside the tail region (it holds pfull = plen // BN * BN,
   pfull not at its start) stores its raw state (acc in its partial slot, m and l beside: fp32,
   exact); other splits finish as before (partial + lse, or the output when there is one split).
-- `_inv_tail_kernel` (row tile): the tail tiles from pfull on, per token with its own keys,
-  split by split in order: the first continues from the stored state (or from zero when pfull is
-  a split start), each split boundary finishes a partial.
+- `_inv_tail_kernel` (row tile, split of the tail): the tail tiles from pfull on, per token
+  with its own keys; the tail's first split continues from the stored state (or from zero when
+  pfull is a split start), each split finishes its partial (or the output).
 Why: in one kernel the per-token tail code doubles the register pressure of the whole program
-(ptxas sm_90: BM=32 BN=32 8 warps 251 -> 173 registers without it; BM=64 BN=32 spills 976 -> 12
+(ptxas sm_90: BM=32 BN=32 8 warps 251 -> 171 registers without it; BM=64 BN=32 spills 976 -> 360
 bytes), so the shared loop, nearly all of the work at long prefixes, runs starved. The shared
 kernel also needs no block-mask pass (its tiles are below every row's key count).
 Bitwise: a row's state after its shared tiles is the same numbers whether the tail continues in
@@ -140,10 +140,6 @@ def _inv_tail_kernel(
     t = q0 + qrow
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
-    q_off = t[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(ql_ptr + q_off + dr[None, :], mask=row_ok[:, None], other=0.0)  # [BM, R]
-    r_off = t[:, None] * stride_rt + head[:, None] * stride_rh
-    qp = tl.load(qr_ptr + r_off + dp[None, :], mask=row_ok[:, None], other=0.0)  # [BM, P]
     m_row = mask_ptr + b * stride_mb
     cnt = tl.zeros([BM], dtype=tl.int32)  # visible block tokens of each row = its depth + 1
     for i0 in range(0, qlen, BN):
@@ -157,7 +153,15 @@ def _inv_tail_kernel(
     nrow = tl.where(row_ok, plen + cnt, 0)  # [BM] keys of each row
     n_all = tl.max(nrow, 0)
     pfull = (plen // BN) * BN
-    split = pfull // SPLIT
+    split = pfull // SPLIT + tl.program_id(1)  # the tail's first split, or a later one
+    n0s = tl.maximum(pfull, split * SPLIT)
+    n1s = tl.minimum(split * SPLIT + SPLIT, n_all)
+    if n0s >= n1s:  # the tail does not reach this split
+        return
+    q_off = t[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(ql_ptr + q_off + dr[None, :], mask=row_ok[:, None], other=0.0)  # [BM, R]
+    r_off = t[:, None] * stride_rt + head[:, None] * stride_rh
+    qp = tl.load(qr_ptr + r_off + dp[None, :], mask=row_ok[:, None], other=0.0)  # [BM, P]
     srow = t * H + head
     if pfull > split * SPLIT:  # the shared kernel stored this split's state so far
         prow = srow * nsplit + split
@@ -170,14 +174,7 @@ def _inv_tail_kernel(
         acc = tl.zeros([BM, R], dtype=tl.float32)
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
-    for n0 in range(pfull, n_all, BN):  # tail tiles: each token's own keys
-        if (n0 % SPLIT == 0) & (n0 > pfull):  # a split boundary: finish the previous split
-            _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
-                    stride_ot, stride_oh, H, R)  # fmt: skip
-            split += 1
-            m = tl.full([BM], -1.0e30, dtype=tl.float32)
-            l_sum = tl.zeros([BM], dtype=tl.float32)
-            acc = tl.zeros([BM, R], dtype=tl.float32)
+    for n0 in range(n0s, n1s, BN):  # tail tiles of this split: each token's own keys
         kidx = n0 + tl.arange(0, BN)
         for j in range(tok0, tok1):
             nj = plen + tl.max(tl.where(qrow == j, cnt, 0), 0)
@@ -228,7 +225,9 @@ def _launch_split_tail(
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens,
         scale_log2, tiles, nsplit, *strides, PREFETCH=cfg.get("PREFETCH", 0), **common,
     )  # fmt: skip
-    _inv_tail_kernel[(nblocks * tiles,)](
+    q_max = meta.block_mask.shape[1]
+    tail_splits = (cfg["BN"] + q_max) // cfg["SPLIT"] + 2  # the tail spans < BN + Q_max keys
+    _inv_tail_kernel[(nblocks * tiles, tail_splits)](
         q_latent, q_rope, kv_cache, out, po, plse, state,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
         scale_log2, tiles, nsplit, *strides, mask.stride(0), mask.stride(1), **common,
