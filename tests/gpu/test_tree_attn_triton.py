@@ -155,6 +155,8 @@ def test_every_preset_is_invariant_and_accurate(preset):
         lambda: check([2047, 5, 600], [65, 1, 9], seed=8, config=preset, invariant=True),
         lambda: test_invariant_tree_rows_equal_ar_rows(([0, 1023, 300], [33, 9, 2]), False, preset),
         lambda: test_invariant_tree_rows_equal_ar_rows(([2100], [129]), False, preset),
+        # a causal chunk whose tail (TAIL=1: second launch) spans several splits
+        lambda: test_invariant_tree_rows_equal_ar_rows(([1000, 40], [129, 300]), True, preset),
         lambda: test_invariant_rows_do_not_depend_on_the_batch(config=preset),
     ]
     failed = []
