@@ -31,6 +31,24 @@ case "${1:-check}" in
     timeout 105 python3 bench/bench_dense.py --configs a,b --fp32-configs ieee,tf32x3 --budget 95 \
       --out "$OUT/dense_ab.json" 2>&1 | tail -25 >>"$LOG"
     ;;
+  final)  # 2 GPUs, Ray bundle on PYTHONPATH: tests, DDTree == AR, serving (CUDA graphs, NCCL),
+           # the engine (prefill + steps), short kernel benches
+    timeout 190 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf -k "not every_preset" \
+      >"$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" >>"$LOG"
+    timeout 50 python3 bench/gpu_engine_check.py --batch-invariant --dtypes bfloat16 \
+      --out "$OUT/engine_check_bf16_invariant.json" 2>&1 | tail -6 >>"$LOG"
+    mkdir -p /tmp/serve && SERVE_ARGS="--cuda-graphs" OUT=/tmp/serve timeout 110 \
+      bash bench/gpu_serve_check.sh 2>&1 | tail -14 >>"$LOG"
+    cp /tmp/serve/load_gpu.json "$OUT/serve_load_graphs.json" 2>/dev/null
+    grep -iE "error|Traceback" /tmp/serve/serve.log | head -5 >>"$LOG"
+    OUT=/tmp/eng timeout 80 bash bench/run_engine_gpu.sh --batches 1,5 --budgets 16 --corrupt 0.3 \
+      --cuda-graphs --max-seconds 40 >/dev/null 2>&1; tail -8 /tmp/eng/engine.log >>"$LOG"
+    cp /tmp/eng/engine.json "$OUT/engine_final.json" 2>/dev/null
+    (cd bench && timeout 75 python3 bench_moe.py --variants --budget 60 --no-torch \
+      --out "$OUT/moe_variants_r3.json") 2>&1 | tail -12 >>"$LOG"
+    (cd bench && timeout 60 python3 bench_tree_attn.py --presets --prefixes 1024,8192,32768 \
+      --budget-s 45 --out "$OUT/tree_attn_presets_r3.json") 2>&1 | tail -30 >>"$LOG"
+    ;;
   engine)  # K2.6 rank slice, CUDA graphs, batch-invariant kernels on, then off
     ARGS="--batches 1,5,10 --budgets 8,16 --corrupt 0,0.3 --cuda-graphs --max-seconds 150"
     OUT=$OUT bash bench/run_engine_gpu.sh $ARGS >/dev/null 2>&1
