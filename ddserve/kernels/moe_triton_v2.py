@@ -57,8 +57,11 @@ CHUNK = 1024  # tokens per call without atomics (bounds the [P, H] fp32 per-pair
 # or not (93 us at T=1, 1687 us at T=384), so it is the default of both modes.
 INVARIANT_CONFIG = dict(
     BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, PREFETCH=True, MODE=0,
-    GEMV=False, SVEC=True, MAXREG=128, TMA=True, TMA2=False, NT2=4,
+    GEMV=False, SVEC=True, MAXREG=128, TMA=False, TMA2=False, NT2=4,
 )  # fmt: skip
+# Round 3 on an H200 (bench/results/moe_variants_round3_2026-11-30.json): TMA gave no gain (the
+# TMA up kernel 0-1% slower than the pointer kernel at every T, TMA2 within +-4%), so the
+# validated round-2 pointer kernel stays the default.
 # TMA (round 3, `moe_tma`, INT4 only): the up kernel's weight words through a tensor descriptor,
 # TMA copies into shared memory pipelined S1 deep by Triton (PREFETCH is then unused); same K
 # order and arithmetic (same bits in the interpreter; both compile to wgmma m64n8k16 for sm_90).
