@@ -287,7 +287,7 @@ def tree_mla_attention_invariant(
         _launch_split_tail(q_latent, q_rope, kv_cache, out, po, plse, meta, softmax_scale, cfg,
                            tiles, nsplit)  # fmt: skip
     else:
-        _tree_attn_inv_kernel[    (nblocks * tiles, nsplit)](
+        _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
             q_latent, q_rope, kv_cache, out, po, plse,
             meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
             softmax_scale * math.log2(math.e), tiles, nsplit,
