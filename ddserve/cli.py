@@ -70,8 +70,9 @@ def _serve(sub: argparse._SubParsersAction) -> None:
                    help="name clients use (default: the checkpoint directory's name)")  # fmt: skip
     p.add_argument("--seed", type=int, default=None,
                    help="base seed of unseeded requests (default: drawn at start-up)")  # fmt: skip
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="experimental: replay decode/verify forwards from CUDA graphs")  # fmt: skip
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode/verify forwards from CUDA graphs (default: on with "
+                   "CUDA devices)")  # fmt: skip
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant GPU kernels, so speculative output equals plain decoding "
                    "bit for bit in bf16 (default: on)")  # fmt: skip

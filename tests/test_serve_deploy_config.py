@@ -94,3 +94,18 @@ def test_online_budgets_are_configured_and_bounded() -> None:
 def test_inconsistent_deployments_fail_when_the_config_is_read(bad) -> None:
     with pytest.raises(ValueError):
         ServeConfig.model_validate(bad)
+
+
+def test_cuda_graphs_and_batch_invariance_defaults_and_flags() -> None:
+    def cfg(*flags: str) -> ServeConfig:
+        return ServeConfig.model_validate(
+            config_from_args(build_parser().parse_args(["serve", *flags]))
+        )
+
+    default = cfg()
+    assert default.batch_invariant is True and default.cuda_graphs is None
+    assert default.graphs_on("cuda", "bfloat16") and not default.graphs_on("cpu", "float32")
+    assert not default.graphs_on("cuda", "float32")  # graphs need 16-bit compute
+    assert not cfg("--no-cuda-graphs").graphs_on("cuda", "bfloat16")
+    assert cfg("--cuda-graphs").graphs_on("cpu", "float32")  # explicit: the engine warns, eager
+    assert cfg("--no-batch-invariant").batch_invariant is False

@@ -19,8 +19,8 @@ def config_from_args(args) -> dict:
              "batch_invariant")  # fmt: skip
     cfg = {n: getattr(args, n, None) for n in names}
     cfg["speculative"] = not args.no_speculative
-    if getattr(args, "cuda_graphs", False):
-        cfg["cuda_graphs"] = True
+    if getattr(args, "cuda_graphs", None) is not None:
+        cfg["cuda_graphs"] = args.cuda_graphs
     return {k: v for k, v in cfg.items() if v is not None}
 
 
