@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from model_utils import make_meta, rel_err
 
 from ddserve.engine.comm import GlooComm
+from ddserve.kernels import backend
 from ddserve.model.loader import load_model
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [250, 3, 3, 40]]
@@ -41,6 +42,14 @@ def check_collectives(comm: GlooComm) -> None:
     b = torch.tensor([r * 10])
     assert comm.broadcast(b, src=w - 1).item() == (w - 1) * 10
 
+    def part(k: int) -> torch.Tensor:  # rank k's values; sums of these depend on the order
+        return (torch.linspace(-3, 3, 16) * 10.0 ** (k % 3) * (1 + k / 7)).bfloat16()
+
+    expected = part(0)
+    for k in range(1, w):
+        expected = expected + part(k)
+    assert torch.equal(comm.all_reduce_ordered(part(r)), expected)
+
 
 def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None:
     torch.set_num_threads(1)
@@ -51,6 +60,8 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
         for path in paths:
             model, _ = load_model(path, comm, dtype=torch.float32, progress=False)
             results.append(run_model(model))
+            with backend.invariant_mode(True):  # rank-order all-reduce at tp > 2, fallbacks
+                assert rel_err(run_model(model), results[-1]) < 1e-5
         torch.save(results, f"{out}.{rank}")
         comm.barrier()
     finally:

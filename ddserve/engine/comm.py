@@ -31,6 +31,18 @@ class Communicator(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    def all_reduce_ordered(self, t: torch.Tensor) -> torch.Tensor:
+        """`all_reduce` with the sum taken in rank order, so each element's bits do not depend on
+        the message size (NCCL's ring / tree chunking does; with two ranks a + b == b + a, so
+        the plain all-reduce is already exact). In place; returns `t`."""
+        if self.world_size <= 2:
+            return self.all_reduce(t)
+        parts = self.all_gather(t.unsqueeze(0), dim=0)  # [W, ...] rank order
+        acc = parts[0]
+        for r in range(1, self.world_size):
+            acc = acc + parts[r]
+        return t.copy_(acc)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -74,7 +74,6 @@ class ModelRunner:
 
     def _setup(self, model, model_cfg, comm, engine_cfg, drafter) -> None:
         self.cfg, self.comm = engine_cfg, comm
-        backend.set_batch_invariant(engine_cfg.batch_invariant)
         self.model, self.model_cfg = model, model_cfg
         self.device = next(model.parameters()).device
         mc = self.model_cfg
@@ -100,11 +99,20 @@ class ModelRunner:
         if self.device.type != "cuda" or self.cfg.torch_dtype == torch.float32:
             log.warning("cuda_graphs needs a CUDA device and a 16-bit dtype: running eagerly")
             return None
-        scratch = self.allocator.alloc(max(self.cfg.graph_buckets) * (self.cfg.budget + 1))
+        need = max(self.cfg.graph_buckets) * (self.cfg.budget + 1)
+        if 2 * need > self.cfg.num_slots:
+            log.warning(
+                "cuda_graphs needs %d padding KV slots, more than half of num_slots=%d: running "
+                "eagerly (raise num_slots or lower the largest bucket / budget)",
+                need, self.cfg.num_slots,
+            )  # fmt: skip
+            return None
+        scratch = self.allocator.alloc(need)
         self._reserved += len(scratch)  # padding rows' slots, never given to a stream
 
-        def run_model(ids, pos, meta):
-            return self.model(ids, pos, self.kv.pool, meta, self.capture)
+        def run_model(ids, pos, meta):  # captured once per shape, in this engine's kernel mode
+            with backend.invariant_mode(self.cfg.batch_invariant):
+                return self.model(ids, pos, self.kv.pool, meta, self.capture)
 
         return GraphedForward(run_model, self.cfg.graph_buckets, scratch, self.device)
 
@@ -203,9 +211,10 @@ class ModelRunner:
 
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
-        return self.model(
-            ids, positions, self.kv.pool, meta, self.capture, absorbed, logit_rows=logit_rows
-        )
+        with backend.invariant_mode(self.cfg.batch_invariant):
+            return self.model(
+                ids, positions, self.kv.pool, meta, self.capture, absorbed, logit_rows=logit_rows
+            )
 
     def _sample(self, sts: list[Stream], logits: torch.Tensor) -> torch.Tensor:
         """logits [B, M, V] -> the target token at every row [B, M] (step = each stream's step)."""
@@ -243,11 +252,16 @@ class ModelRunner:
         return self._finish(outs)
 
     def _prefill_chunk(self) -> dict[Hashable, StepOutput]:
+        # A prompt is cut at multiples of prefill_chunk whatever else is pending (a chunk that
+        # does not fit waits for the next forward), so its KV and first token do not depend on
+        # the traffic it was admitted with (with batch-invariant kernels, bit for bit).
         budget, plan = self.cfg.prefill_chunk, []
         for sid in self.pending_prefill:
             st = self.streams[sid]
             done = len(st.slots)
-            n = min(budget, len(st.prompt) - done)
+            n = min(self.cfg.prefill_chunk, len(st.prompt) - done)
+            if n > budget:
+                break
             plan.append((st, done, n))
             budget -= n
             if budget == 0:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -16,8 +17,8 @@ HALF = (torch.bfloat16, torch.float16)
 # Batch-invariant mode: every kernel computes each token's row with the same arithmetic in the
 # same order whatever else is in the batch (and, for attention, whether a key is a prefix key or
 # a tree key), so a DDTree verify row equals the autoregressive row bit for bit in 16-bit dtypes.
-# One process serves one engine, so the mode is process-wide; ModelRunner sets it from
-# EngineConfig.batch_invariant.
+# ModelRunner runs each of its forwards inside `invariant_mode(EngineConfig.batch_invariant)`;
+# outside an engine the mode is `set_batch_invariant`'s (default off: plain torch / kernels).
 _batch_invariant = False
 
 
@@ -30,6 +31,18 @@ def set_batch_invariant(on: bool) -> None:
 
 def batch_invariant() -> bool:
     return _batch_invariant
+
+
+@contextlib.contextmanager
+def invariant_mode(on: bool) -> Iterator[None]:
+    """The mode for the forwards inside (ModelRunner wraps each of its forwards, so engines with
+    different settings in one process do not leak into each other); restored on exit."""
+    global _batch_invariant
+    before, _batch_invariant = _batch_invariant, bool(on)
+    try:
+        yield
+    finally:
+        _batch_invariant = before
 
 
 def _half_only(fast: Callable, ref: Callable) -> Callable:

@@ -22,6 +22,12 @@ def shard_size(n: int, world_size: int, what: str) -> int:
     return n // world_size
 
 
+def reduce_partials(comm: Communicator, y: torch.Tensor) -> torch.Tensor:
+    """Sum the ranks' partial outputs; in batch-invariant mode in rank order (bitwise the same
+    for any number of rows, also at tp > 2)."""
+    return comm.all_reduce_ordered(y) if backend.batch_invariant() else comm.all_reduce(y)
+
+
 def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -72,7 +78,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = backend.linear(x, self.weight)
-        return self.comm.all_reduce(y) if self.reduce else y
+        return reduce_partials(self.comm, y) if self.reduce else y
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -19,7 +19,13 @@ from ddserve.config import ModelConfig
 from ddserve.engine.comm import Communicator
 from ddserve.kernels import backend
 from ddserve.kernels.moe_ref import ExpertWeights
-from ddserve.model.layers import ColumnParallelLinear, RowParallelLinear, empty_param, shard_size
+from ddserve.model.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    empty_param,
+    reduce_partials,
+    shard_size,
+)
 from ddserve.model.quant import GROUP, PACK, check_int4_split
 
 
@@ -120,4 +126,4 @@ class MoE(nn.Module):
         y = moe(x, ids, weights, self.experts.weights())  # [T, D] this rank's partial
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return self.comm.all_reduce(y)
+        return reduce_partials(self.comm, y)
