@@ -36,6 +36,11 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode/verify forwards from CUDA graphs (pays off for long runs)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch-invariant GPU kernels: DDTree == plain decoding bit for bit "
+                   "(default: on)")  # fmt: skip
     p.set_defaults(run="ddserve.engine.llm:main")
 
 
@@ -72,7 +77,7 @@ def _serve(sub: argparse._SubParsersAction) -> None:
                    help="base seed of unseeded requests (default: drawn at start-up)")  # fmt: skip
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode/verify forwards from CUDA graphs (default: on with "
-                   "CUDA devices)")  # fmt: skip
+                   "CUDA devices and a 16-bit dtype)")  # fmt: skip
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant GPU kernels, so speculative output equals plain decoding "
                    "bit for bit in bf16 (default: on)")  # fmt: skip

@@ -54,6 +54,7 @@ class LLM:
         max_streams: int = 16,
         seed: int | None = None,
         batch_invariant: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         if model_path is None:
             from ddserve.model.tiny import default_model_dir
@@ -63,7 +64,7 @@ class LLM:
         seed = random.randrange(2**31) if seed is None else seed
         cfg = EngineConfig(
             num_slots, budget, prefill_chunk, dtype, seed, max_streams=max_streams,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, cuda_graphs=cuda_graphs,
         )  # fmt: skip
         kwargs = dict(model_path=self.model_path, engine_cfg=cfg, drafter=drafter, device=device)
         self.max_streams, self.tp, self._next_sid = max_streams, tp, 0
@@ -181,7 +182,11 @@ def main(args) -> int:
     device = args.device or default_device()
     # CPU runs in float32 (what `ddserve serve` does there); GPUs in bfloat16.
     dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
-    llm = LLM(model, drafter=drafter, tp=args.tp, budget=args.budget, device=device, dtype=dtype)
+    llm = LLM(
+        model, drafter=drafter, tp=args.tp, budget=args.budget, device=device, dtype=dtype,
+        batch_invariant=getattr(args, "batch_invariant", True),
+        cuda_graphs=getattr(args, "cuda_graphs", False),
+    )  # fmt: skip
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
