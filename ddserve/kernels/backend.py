@@ -46,7 +46,8 @@ def invariant_mode(on: bool) -> Iterator[None]:
 
 
 def _half_only(fast: Callable, ref: Callable) -> Callable:
-    """GPU kernels take 16-bit activations; float32 runs (exactness checks) use the reference.
+    """The Triton attention / MoE kernels take 16-bit activations; float32 runs use their torch
+    references (the dense ops have their own rule: `_invariant_for`).
     The fast kernel is told the batch-invariant mode at every call."""
 
     @functools.wraps(fast)
@@ -111,7 +112,10 @@ def device_type(t: torch.Tensor | torch.device) -> str:
 
 # ---- batch-invariant dense ops (Triton in invariant.py, torch in invariant_ref.py) -------------
 # Chosen per call: the mode can change between engines, and a model also runs on the CPU.
-INVARIANT_DTYPES = (*HALF, torch.float32)  # float32: the Router's gate; real fp32, not tf32
+# float32: the Router's gate, and every dense op of a float32 model on CUDA in batch-invariant
+# mode; computed per `invariant_configs` ("tf32x3" by default: three tensor-core products, about
+# fp32 accuracy, row-invariant, not bitwise torch's fp32)
+INVARIANT_DTYPES = (*HALF, torch.float32)
 
 
 @functools.cache
