@@ -5,10 +5,10 @@ decorated, so it must be set before ddserve's Triton modules are first imported 
 the subprocess prints one JSON record per check and the tests below assert on them.
 Checks: equal to `moe_ref` within tolerance (INT4 and dense bf16, T = 0 / 1 / 5 / 33, experts with
 no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the tuned mode, the
-CUDA-core GEMV up-projection); the TMA up (default) and down kernels give the pointer kernels' bits;
-the ablation modes run; with invariant=True a token's row is bitwise the same alone as inside
-bigger batches with different routing of the other tokens (also across the host-side token
-chunking), for the MMA and the GEMV paths.
+CUDA-core GEMV up-projection); the TMA up and down kernels (config options, off by default) give
+the pointer kernels' bits; the ablation modes run; with invariant=True a token's row is bitwise the
+same alone as inside bigger batches with different routing of the other tokens (also across the
+host-side token chunking), for the MMA and the GEMV paths.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _child() -> None:
     ido3, two3 = _routing(4, 7, 3, gen)
     odd2 = _random_int4(5, 320, 64, gen)  # H = 320: a tail column tile in the down kernel
     ido5, two5 = _routing(4, 5, 2, gen)
-    for ww, xx, ii, tt, cfg, on in (  # TMA up (default) / down kernels: the pointer kernels' bits
+    for ww, xx, ii, tt, cfg, on in (  # TMA up / down (off by default): the pointer kernels' bits
         (w, xs, ids_s, tw_s, {"SVEC": False, "SPLIT": 1}, "TMA"),
         (odd, xo3, ido3, two3, {"SPLIT": 2, "KW1": 8}, "TMA"),
         (w, xs, ids_s, tw_s, {"KW2": 8}, "TMA2"),  # I = 64 = 8 KW2: one K step

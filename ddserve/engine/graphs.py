@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the decode/verify target forward (opt-in: `EngineConfig.cuda_graphs`).
+"""CUDA-graph replay of the decode/verify target forward (`EngineConfig.cuda_graphs`).
 
 The eager engine is launch-bound (BENCHMARKS.md: a K2.6 rank step is 30-120x its bandwidth
 floor, a graph-replayed forward 11-17x). One graph is captured per shape key (blocks B, rows per
@@ -8,10 +8,13 @@ the outputs are static tensors, valid until the next replay. Padding blocks writ
 to scratch slots reserved at start-up and see only themselves. Only the target forward is
 captured; draft, tree build, sampling and acceptance stay eager (they are ~2% of a step).
 
-Status: written against the capture path the engine benchmark exercised on an H200 (the whole
-forward captured and replayed, Triton kernels, bf16); the engine integration itself has not run
-on a GPU yet: `tests/gpu/test_engine_gpu.py` checks it. Graphs must be freed before their NCCL
-communicator is destroyed (NCCL >= 2.26 waits for them): call `close()` first.
+Status: `EngineConfig.cuda_graphs` defaults to False (the engine alone runs eagerly); the
+serving config (`ServeConfig`) turns it on by default on CUDA with 16-bit dtypes, so
+`ddserve serve` replays graphs there (validated at tp = 2 over NCCL on two H200s). On an H200
+`tests/gpu/test_engine_gpu.py` passed (graph replay equals the eager forward; DDTree with graphs
+frees every slot) and the K2.6 engine benchmark ran with graphs (BENCHMARKS.md). Graphs must be
+freed before their NCCL communicator is destroyed (NCCL >= 2.26 waits for them): call `close()`
+first.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Launches after `align_by_expert` (torch ops, no host sync):
             each walking K / SPLIT columns (more loads in flight when few experts are touched).
             With SPLIT == 1 the SiLU-mul is fused and h is written directly. PREFETCH: the next
             K step's words are loaded (into registers) before this step's are dequantized.
-   TMA (default since round 3, `moe_tma`): the weight words through a tensor descriptor, TMA
-            copies pipelined S1 steps deep by Triton instead of the 1-step register prefetch.
+   TMA (config, off by default, `moe_tma`): the weight words through a tensor descriptor, TMA
+            copies pipelined S1 steps deep by Triton instead of the 1-step register prefetch
+            (round 3 on an H200 measured no gain, so the pointer kernel stays the default).
    GEMV (config, `moe_gemv`): the same with CUDA-core dot products, row by row (no tl.dot).
 2. silu:    h[r] = silu(sum_s gate part) * (sum_s up part), splits summed in order 0..SPLIT-1, bf16.
 3. down:    y[p] = w_p * (h[p] @ W2_e^T). Fast mode: fp32 atomic adds into out[t].
@@ -28,7 +29,9 @@ round 1). config={"TUNED": True} gives the round-1 shape-dependent tuning: SPLIT
 until there are about 4 programs per SM, BM = 32 past 14 tokens per expert, fp32 atomics.
 
 ASM dequant (`ASM`, on by default on CUDA with bf16 scales): see `moe_w4_tiles`. If it fails to
-compile, the call falls back to pure Triton and ASM_ERROR says why.
+compile, the call falls back to pure Triton and ASM_ERROR says why (likewise TMA / TMA_ERROR).
+Errors that are not compile failures are raised, not turned into a fallback: CUDA out-of-memory,
+and any error during CUDA-graph capture (a fallback launch cannot be captured there either).
 """
 
 from __future__ import annotations
@@ -319,20 +322,33 @@ def fused_moe_v2(
     try:
         return _launch(*args)
     except Exception as exc:  # noqa: BLE001 - a compile failure of the asm path: use pure Triton
+        if not _may_fall_back(exc):
+            raise
         ASM_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
-        log.warning("MoE asm dequant failed to compile, using pure Triton: %s", ASM_ERROR)
+        log.warning("MoE asm dequant failed, using pure Triton from now on: %s", ASM_ERROR)
         return _launch(*args[:-1], dict(cfg, ASM=False))
+
+
+def _may_fall_back(exc: Exception) -> bool:
+    """Whether a failed fast-path launch may switch the process to the fallback kernel: not for
+    CUDA out-of-memory (not a compile problem; the fallback would be disabled for nothing) and not
+    during CUDA-graph capture (the capture is already broken and no launch can rescue it)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _up_tma_or_fallback(up_args: tuple, up_kw: dict, interp: bool, cfg: dict):
     """The TMA up kernel; if it fails to compile or launch (first call), the pointer kernel from
-    then on (same bits) and TMA_ERROR says why."""
+    then on (same bits) and TMA_ERROR says why (OOM and errors during graph capture are raised)."""
     global TMA_ERROR
     try:
         return up_tma(up_args, up_kw, interp, cfg["MODE"])
     except Exception as exc:  # noqa: BLE001 - e.g. no TMA on this GPU / triton build
+        if not _may_fall_back(exc):
+            raise
         TMA_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
-        log.warning("MoE TMA up kernel failed, using the pointer kernel: %s", TMA_ERROR)
+        log.warning("MoE TMA up kernel failed, using the pointer kernel from now on: %s", TMA_ERROR)
         grid = (up_args[8] * cfg["SPLIT"] * triton.cdiv(up_args[9], cfg["BN1"]),)
         return _up_kernel[grid](
             *up_args, **up_kw, F32=interp, PREFETCH=cfg["PREFETCH"], MODE=cfg["MODE"]
