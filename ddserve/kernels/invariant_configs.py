@@ -20,16 +20,19 @@ and DDSERVE_INVARIANT_FP32; bench/bench_dense.py times them against each other o
   3 stages; K split to at most 264 programs (two per SM) at M = 1.
 fp32 weights (the Router's gate):
 - "ieee_r1": round 1 (32 x 16 x 32 tiles for the Router, fp32 FMA, K split 8 ways).
-- "ieee": exact fp32 FMA, 32 x 32 x 32 tiles, K split up to 16 ways (the default).
+- "ieee": exact fp32 FMA, 32 x 32 x 32 tiles, K split up to 16 ways.
 - "ieee64": exact fp32 FMA, 64 x 64 x 16 tiles, K split up to 32 ways.
 - "tf32x3": three tf32 tensor-core MMAs per tile (hi*hi + hi*lo + lo*hi, about fp32 accuracy,
-  not bitwise equal to torch's fp32 but row-invariant like every configuration here).
+  not bitwise equal to torch's fp32 but row-invariant like every configuration here; the default).
+An unknown value of either environment variable logs a warning naming the sets and the default
+is used instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -111,11 +114,23 @@ def _tf32x3(n: int, k: int, heads: int) -> MMConfig:
 
 DENSE_SETS = {"r1": _r1, "a": _a, "b": _b, "c": _c}
 FP32_SETS = {"ieee_r1": _ieee_r1, "ieee": _ieee, "ieee64": _ieee64, "tf32x3": _tf32x3}
+log = logging.getLogger(__name__)
+
+
+def _env_set(var: str, sets: dict, default: str) -> str:
+    """The set named by environment variable `var`, or `default` (with a warning) if unknown."""
+    name = os.environ.get(var, default)
+    if name not in sets:
+        log.warning("%s=%r is not one of %s: using %r", var, name, ", ".join(sorted(sets)), default)
+        return default
+    return name
+
+
 _current = {
-    "dense": os.environ.get("DDSERVE_INVARIANT_CONFIGS", "a"),
+    "dense": _env_set("DDSERVE_INVARIANT_CONFIGS", DENSE_SETS, "a"),
     # tf32x3 on an H200: 0.8-1.7x torch's fp32 gate, row-invariant, 1.4e-6 max abs error vs fp64
     # (ieee: 3.5-5x torch); bench/results/dense_round2_2026-11-30.json
-    "fp32": os.environ.get("DDSERVE_INVARIANT_FP32", "tf32x3"),
+    "fp32": _env_set("DDSERVE_INVARIANT_FP32", FP32_SETS, "tf32x3"),
 }
 
 

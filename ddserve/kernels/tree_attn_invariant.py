@@ -31,6 +31,7 @@ split the keys), which is most of the register budget.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -39,6 +40,8 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels.tree_attn import TreeAttnMeta
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -185,7 +188,7 @@ def _tree_attn_inv_kernel(
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
-        prow = (t * H + head) * nsplit + split  # partials are [T, H, nsplit, (R)]
+        prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
         tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
         tl.store(plse_ptr + prow, lse, mask=row_ok)
 
@@ -200,7 +203,7 @@ def _combine_kernel(
     (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
     splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
     branch in the loops: the partial loads are independent and pipeline."""
-    row = tl.program_id(0)  # t * H + head
+    row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
@@ -247,7 +250,22 @@ PRESETS = {
 }
 # m32: lowest geometric-mean and worst-case cost vs the default kernel over 42 cases on an H200
 # (bench/results/tree_attn_presets_round2_2026-11-30.json): 1.73x and 2.33x
-DEFAULT_PRESET = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", "m32")
+_FALLBACK_PRESET = "m32"
+
+
+def _env_preset() -> str:
+    """DDSERVE_TREE_ATTN_INVARIANT, or m32 (with a warning naming the presets) if unknown."""
+    name = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", _FALLBACK_PRESET)
+    if name not in PRESETS:
+        log.warning(
+            "DDSERVE_TREE_ATTN_INVARIANT=%r is not a preset (%s): using %r",
+            name, ", ".join(sorted(PRESETS)), _FALLBACK_PRESET,
+        )  # fmt: skip
+        return _FALLBACK_PRESET
+    return name
+
+
+DEFAULT_PRESET = _env_preset()
 INVARIANT_CONFIG = dict(PRESETS[DEFAULT_PRESET])
 
 

@@ -44,7 +44,7 @@ def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, ns
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
-        prow = (t * H + head) * nsplit + split  # partials are [T, H, nsplit, (R)]
+        prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
         tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
         tl.store(plse_ptr + prow, lse, mask=row_ok)
 
@@ -103,11 +103,11 @@ def _inv_shared_kernel(
     # the case when nsplit == 1) leaves its raw acc in its partial slot and (m, l) in the state
     # buffer for the tail kernel; a finished split stores its partial and lse.
     cont = n_end < s0 + SPLIT
-    prow = (t * H + head) * nsplit + split  # partials are [T, H, nsplit, (R)]
+    prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)], int64
     res = tl.where(cont, acc, acc / tl.maximum(l_sum, 1.0e-30)[:, None])  # [BM, R]
     tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
     if cont:
-        srow = t * H + head  # state is [T, H, 2] fp32: m, l
+        srow = t.to(tl.int64) * H + head  # state is [T, H, 2] fp32: m, l
         tl.store(st_ptr + srow * 2, m, mask=row_ok)
         tl.store(st_ptr + srow * 2 + 1, l_sum, mask=row_ok)
     else:
@@ -162,7 +162,7 @@ def _inv_tail_kernel(
     q = tl.load(ql_ptr + q_off + dr[None, :], mask=row_ok[:, None], other=0.0)  # [BM, R]
     r_off = t[:, None] * stride_rt + head[:, None] * stride_rh
     qp = tl.load(qr_ptr + r_off + dp[None, :], mask=row_ok[:, None], other=0.0)  # [BM, P]
-    srow = t * H + head
+    srow = t.to(tl.int64) * H + head  # int64: srow * nsplit * R can pass 2^31
     if pfull > split * SPLIT:  # the shared kernel stored this split's state so far
         prow = srow * nsplit + split
         acc = tl.load(po_ptr + prow[:, None] * R + dr[None, :], mask=row_ok[:, None], other=0.0)
