@@ -98,3 +98,14 @@ def test_all_reduce_ordered_sums_in_rank_order() -> None:
     two = _GatherOnly(parts[:2])
     two.all_reduce_ordered(parts[0].clone())
     assert two.plain_calls == 1  # two ranks: a + b == b + a, the plain all-reduce is exact
+
+
+def test_cuda_graphs_run_eagerly_when_padding_would_crowd_out_streams(tiny_model_dir, caplog):
+    """max(buckets) x (budget + 1) padding slots must leave most of the pool to streams."""
+    runner = _runner(tiny_model_dir)
+    runner.cfg = EngineConfig(num_slots=256, budget=16, cuda_graphs=True, graph_buckets=(1, 8))
+    runner.device = torch.device("cuda")  # the check comes before anything touches the device
+    free = runner.free_slots
+    with caplog.at_level("WARNING"):
+        assert runner._make_graphs() is None  # 8 x 17 = 136 padding slots > 256 / 2
+    assert "padding KV slots" in caplog.text and runner.free_slots == free
