@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on one fused_moe call (K2.6 per-rank shapes, T=192, default invariant config):
 # SpeedOfLight, MemoryWorkloadAnalysis, WarpStateStats, LaunchStats, Occupancy of the MoE kernels
-# (_up[_tma]_kernel, _silu_kernel, _down[_tma]_kernel, _combine_kernel), printed as a compact text report
+# (_up[_tma]_kernel, _silu_kernel, _down[_tma]_kernel, _combine_kernel; the 2nd and 4th are in
+# moe_reduce.py), printed as a compact text report
 # (<= 200 lines) to stdout and to $OUT/ncu_moe.txt (raw CSV in $OUT/ncu_moe.csv).
 # MOE_CONFIG='{"TMA": false}' (JSON) profiles that config instead of the default.
 # Exits 2 within ~30 s with a clear message when ncu is missing or cannot read the GPU counters

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels.moe_gemv import _up_gemv_kernel
+from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_tma import down_tma, down_tma_ok, tma_ok, up_tma
 from ddserve.kernels.moe_triton_v1 import align_by_expert
@@ -158,26 +159,6 @@ def _up_kernel(
         tl.store(o_ptrs + N_half, acc_u, mask=n_ok[:, None])
 
 
-@triton.jit
-def _silu_kernel(part_ptr, h_ptr, bexp_ptr, num_experts, N_half, stride_ps, stride_pr, stride_h,
-                 SPLIT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    pid_m = tl.program_id(0)
-    e = tl.load(bexp_ptr + pid_m)
-    if e >= num_experts:
-        return
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # [BM]
-    c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
-    m = (c < N_half)[None, :]
-    g = tl.zeros([BM, BC], dtype=tl.float32)
-    u = tl.zeros([BM, BC], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):  # fixed order
-        p = part_ptr + s * stride_ps + rows[:, None] * stride_pr + c[None, :]
-        g += tl.load(p, mask=m, other=0.0)
-        u += tl.load(p + N_half, mask=m, other=0.0)
-    h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + rows[:, None] * stride_h + c[None, :], h.to(tl.bfloat16), mask=m)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "num_mblocks"])
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, tw_ptr,
@@ -215,17 +196,6 @@ def _down_kernel(
         tl.atomic_add(out_ptr + (pair // TOPK)[None, :] * stride_o + n[:, None], y, mask=m)
     else:  # out [P, N] fp32, one row per (token, slot) pair
         tl.store(out_ptr + pair[None, :] * stride_o + n[:, None], y, mask=m)
-
-
-@triton.jit
-def _combine_kernel(y_ptr, out_ptr, N, stride_y, stride_o, TOPK: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m = c < N
-    acc = tl.zeros([BC], dtype=tl.float32)
-    for j in tl.static_range(TOPK):  # slot order
-        acc += tl.load(y_ptr + (t * TOPK + j) * stride_y + c, mask=m, other=0.0)
-    tl.store(out_ptr + t * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 LAST_LAUNCH: dict[str, dict] = {}  # kernel -> programs, warps, registers, spills (bench reads it)
