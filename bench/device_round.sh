@@ -12,7 +12,8 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 LOG=$OUT/log
 { date -u; nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } >>"$LOG" 2>&1
 case "${1:-check}" in
-  check)
+  check)  # next session also: timeout 200 python3 bench/serve_exactness.py --out $OUT/sx.json
+          # (needs Ray: the device bundle; on 2 GPUs it serves tp = 2 over NCCL)
     timeout 130 python3 bench/gpu_engine_check.py --batch-invariant --dtypes bfloat16 \
       --out "$OUT/engine_check_bf16_invariant.json" 2>&1 | tail -8 >>"$LOG"
     timeout 400 python3 -m pytest tests/gpu -q -s -p no:cacheprovider -rf >"$OUT/pytest.log" 2>&1
