@@ -13,6 +13,19 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn run once on a side stream (lazy inits, autotuning), then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def time_ms(fn: Callable[[], object], graph: bool = True, rep: int = 100) -> float:
     """Median milliseconds per call. On CUDA: captured into a CUDA graph when `graph` (launch gaps
     gone, as in the engine's captured step), then timed with triton's do_bench (events, L2 flushed
@@ -28,15 +41,7 @@ def time_ms(fn: Callable[[], object], graph: bool = True, rep: int = 100) -> flo
     run = fn
     if graph:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
+            run = capture_graph(fn).replay
         except Exception as e:  # noqa: BLE001 - report and time without a graph
             print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]}; timing eagerly)")
             torch.cuda.synchronize()

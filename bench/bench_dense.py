@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _util import environment, write_json
+from _util import capture_graph, environment, write_json
 
 from ddserve.kernels import invariant_configs
 from ddserve.kernels.invariant_ref import (
@@ -102,14 +102,7 @@ def graph_us(fn: Callable[[], torch.Tensor]) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     ms = triton.testing.do_bench(g.replay, warmup=5, rep=12, return_mode="median")
     del g
     return ms * 1000

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from _util import capture_graph
 
 import ddserve.engine.runner as runner_mod
 from ddserve.engine.runner import ModelRunner
@@ -157,14 +158,7 @@ def graph_replay_seconds(runner: ModelRunner, inputs: tuple, reps: int = 5) -> f
         return runner.model(ids, positions, runner.kv.pool, meta, runner.capture, absorbed)
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
+        graph = capture_graph(forward)
         graph.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
