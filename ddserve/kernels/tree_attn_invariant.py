@@ -90,6 +90,49 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
 
 
 # One binary for every call: no value specialisation of the shape-dependent integers.
+@triton.jit
+def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    """A split's result: the output itself when it is the only split (runtime branch, one
+    binary: the merge of a single split is the result itself), else its partial + lse."""
+    dr = tl.arange(0, R)
+    res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
+    if nsplit == 1:
+        o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
+        prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
+        tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
+        tl.store(plse_ptr + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def _tail_tiles(
+    q, qp, m, l_sum, acc, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
+    mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
+    scale_log2, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """Key tiles [n_lo, n_hi) past the shared prefix tiles, once per token j of the row tile with
+    j's own keys (prefix slots below plen, then its path), updating only j's rows; cnt[row] =
+    the row's visible block tokens (its depth + 1)."""
+    for n0 in range(n_lo, n_hi, BN):
+        kidx = n0 + tl.arange(0, BN)
+        for j in range(tok0, tok1):
+            nj = plen + tl.max(tl.where(qrow == j, cnt, 0), 0)
+            if nj > n0:
+                kok = kidx < nj
+                in_pre = kidx < plen
+                blk = _path_index(mask_ptr, b * stride_mb + j * stride_mq, kidx - plen, qlen, BN)
+                ps = tl.load(pslots_ptr + b * stride_ps + kidx, mask=in_pre, other=0)
+                bs = tl.load(bslots_ptr + q0 + blk, mask=kok & ~in_pre, other=0)
+                slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
+                vis = (qrow == j)[:, None] & kok[None, :]
+                c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
+                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
+    return m, l_sum, acc
+
+
 @triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
     ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
@@ -168,29 +211,13 @@ def _tree_attn_inv_kernel(
             m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
-    for n0 in range(tl.maximum(s0, pfull), s1, BN):  # tail tiles: each token's own keys
-        kidx = n0 + tl.arange(0, BN)
-        for j in range(tok0, tok1):
-            nj = plen + tl.max(tl.where(qrow == j, cnt, 0), 0)
-            if nj > n0:
-                kok = kidx < nj
-                in_pre = kidx < plen
-                blk = _path_index(mask_ptr, b * stride_mb + j * stride_mq, kidx - plen, qlen, BN)
-                ps = tl.load(pslots_ptr + b * stride_ps + kidx, mask=in_pre, other=0)
-                bs = tl.load(bslots_ptr + q0 + blk, mask=kok & ~in_pre, other=0)
-                slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
-                vis = (qrow == j)[:, None] & kok[None, :]
-                c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
-                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
-    res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
-    if nsplit == 1:  # runtime branch (one binary): the merge of a single split is res itself
-        o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
-        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
-        prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
-        tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
-        tl.store(plse_ptr + prow, lse, mask=row_ok)
+    m, l_sum, acc = _tail_tiles(  # tail tiles: each token's own keys
+        q, qp, m, l_sum, acc, tl.maximum(s0, pfull), s1, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
+        mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
+        scale_log2, R, P, BN,
+    )  # fmt: skip
+    _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H, R)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])

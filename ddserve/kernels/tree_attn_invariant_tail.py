@@ -30,23 +30,7 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels.tree_attn import TreeAttnMeta
-from ddserve.kernels.tree_attn_invariant import _key_tile, _load_keys, _path_index
-
-
-@triton.jit
-def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
-            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
-    """A split's result: the output itself when it is the only split, else its partial + lse."""
-    dr = tl.arange(0, R)
-    res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
-    if nsplit == 1:
-        o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
-        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
-        prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
-        tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
-        tl.store(plse_ptr + prow, lse, mask=row_ok)
+from ddserve.kernels.tree_attn_invariant import _finish, _key_tile, _load_keys, _tail_tiles
 
 
 @triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps"])
@@ -174,20 +158,11 @@ def _inv_tail_kernel(
         acc = tl.zeros([BM, R], dtype=tl.float32)
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
-    for n0 in range(n0s, n1s, BN):  # tail tiles of this split: each token's own keys
-        kidx = n0 + tl.arange(0, BN)
-        for j in range(tok0, tok1):
-            nj = plen + tl.max(tl.where(qrow == j, cnt, 0), 0)
-            if nj > n0:
-                kok = kidx < nj
-                in_pre = kidx < plen
-                blk = _path_index(mask_ptr, b * stride_mb + j * stride_mq, kidx - plen, qlen, BN)
-                ps = tl.load(pslots_ptr + b * stride_ps + kidx, mask=in_pre, other=0)
-                bs = tl.load(bslots_ptr + q0 + blk, mask=kok & ~in_pre, other=0)
-                slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
-                vis = (qrow == j)[:, None] & kok[None, :]
-                c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
-                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
+    m, l_sum, acc = _tail_tiles(  # the tail tiles of this split: each token's own keys
+        q, qp, m, l_sum, acc, n0s, n1s, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
+        mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
+        scale_log2, R, P, BN,
+    )  # fmt: skip
     _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
             stride_ot, stride_oh, H, R)  # fmt: skip
 
