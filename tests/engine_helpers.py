@@ -36,8 +36,11 @@ def make_runner(model_dir, budget: int = 8, drafter=None, num_slots: int = 4096,
     return ModelRunner(model_dir, engine_cfg=cfg, drafter=drafter, device="cpu")
 
 
-def run_all(runner: ModelRunner, prompts, params: SamplingParams, speculative: bool):
-    """Decode every prompt to completion together; returns token lists in prompt order."""
+def run_all(
+    runner: ModelRunner, prompts, params: SamplingParams, speculative: bool, budget=None
+) -> list[list[int]]:
+    """Decode every prompt to completion together; returns token lists in prompt order.
+    `budget`: DDTree nodes per step (default: the runner's)."""
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         runner.add_stream(i, p, params)
@@ -45,8 +48,8 @@ def run_all(runner: ModelRunner, prompts, params: SamplingParams, speculative: b
         out[sid] += so.tokens
     while runner.streams:
         sids = list(runner.streams)
-        step = runner.ddtree_step if speculative else runner.ar_step
-        for sid, so in step(sids).items():
+        res = runner.ddtree_step(sids, budget) if speculative else runner.ar_step(sids)
+        for sid, so in res.items():
             out[sid] += so.tokens
     return [out[i] for i in range(len(prompts))]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import run_all
 
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import OracleDrafter
@@ -20,17 +21,7 @@ PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200]
 
 
 def _decode(runner: ModelRunner, speculative: bool, budget: int | None = None):
-    out = {i: [] for i in range(len(PROMPTS))}
-    for i, p in enumerate(PROMPTS):
-        runner.add_stream(i, p, SamplingParams(max_tokens=24))
-    for sid, so in runner.prefill().items():
-        out[sid] += so.tokens
-    while runner.streams:
-        sids = list(runner.streams)
-        res = runner.ddtree_step(sids, budget) if speculative else runner.ar_step(sids)
-        for sid, so in res.items():
-            out[sid] += so.tokens
-    return [out[i] for i in range(len(PROMPTS))]
+    return run_all(runner, PROMPTS, SamplingParams(max_tokens=24), speculative, budget)
 
 
 @pytest.fixture(scope="module")

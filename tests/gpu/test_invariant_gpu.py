@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import run_all
 
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import OracleDrafter
@@ -163,17 +164,7 @@ def test_backend_picks_triton_only_in_invariant_mode() -> None:
 
 
 def _decode(runner: ModelRunner, speculative: bool, budget: int | None = None) -> list[list[int]]:
-    out = {i: [] for i in range(len(PROMPTS))}
-    for i, p in enumerate(PROMPTS):
-        runner.add_stream(i, p, SamplingParams(max_tokens=48))
-    for sid, so in runner.prefill().items():
-        out[sid] += so.tokens
-    while runner.streams:
-        sids = list(runner.streams)
-        res = runner.ddtree_step(sids, budget) if speculative else runner.ar_step(sids)
-        for sid, so in res.items():
-            out[sid] += so.tokens
-    return [out[i] for i in range(len(PROMPTS))]
+    return run_all(runner, PROMPTS, SamplingParams(max_tokens=48), speculative, budget)
 
 
 def _first_diffs(got: list[list[int]], ref: list[list[int]]) -> dict[int, int]:
