@@ -83,8 +83,9 @@ def _preset_resources(name: str, seen: set) -> list[dict]:
     return kernel_resources(_tree_attn_inv_kernel, seen)
 
 
-def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: set) -> dict:
-    """Default mode and every invariant preset on one case: ms each (graph replay)."""
+def case_inputs(nb: int, budget: int, pl: int, h: int, r: int, p: int, dev):
+    """One case: nb streams with prefix pl and a random tree of budget + 1 rows (1 row: decode).
+    Returns (rows per stream, rows, metadata, q_latent, q_rope, latent pool)."""
     ql = budget + 1 if budget else 1
     slots = nb * (pl + ql) + 64
     meta = random_meta([pl] * nb, [ql] * nb, slots, seed=nb * 1000 + ql).to(dev)
@@ -92,6 +93,12 @@ def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: 
     q_lat = torch.randn(t, h, r, device=dev).to(torch.bfloat16)
     q_pe = torch.randn(t, h, p, device=dev).to(torch.bfloat16)
     kv = torch.randn(slots, r + p, device=dev).to(torch.bfloat16)
+    return ql, t, meta, q_lat, q_pe, kv
+
+
+def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: set) -> dict:
+    """Default mode and every invariant preset on one case: ms each (graph replay)."""
+    ql, t, meta, q_lat, q_pe, kv = case_inputs(nb, budget, pl, h, r, p, dev)
 
     def call(config=None, invariant=False):
         return tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config, invariant=invariant)
@@ -151,13 +158,7 @@ def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:
 
 
 def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev) -> dict:
-    ql = budget + 1 if budget else 1
-    slots = nb * (pl + ql) + 64
-    meta = random_meta([pl] * nb, [ql] * nb, slots, seed=nb * 1000 + ql).to(dev)
-    t = nb * ql
-    q_lat = torch.randn(t, h, r, device=dev).to(torch.bfloat16)
-    q_pe = torch.randn(t, h, p, device=dev).to(torch.bfloat16)
-    kv = torch.randn(slots, r + p, device=dev).to(torch.bfloat16)
+    ql, t, meta, q_lat, q_pe, kv = case_inputs(nb, budget, pl, h, r, p, dev)
     nbytes = nb * (pl + ql) * (r + p) * 2 + t * h * (r + p + r) * 2 + nb * (pl + ql) * 8
     flops = nb * ql * h * (pl + ql) * 2 * (r + p + r)
     floor_ms = max(nbytes / bw / 1e6, flops / peak / 1e9)
