@@ -1,0 +1,97 @@
+"""Expert alignment for the grouped MoE GEMM in one Triton launch (no host sync, graph capturable).
+
+Same contract and outputs as `moe_triton_v1.align_by_expert` (the plain-torch reference): the
+(token, slot) pairs p = t * k + j are grouped by expert, in ascending pair order inside an expert,
+into blocks of `bm` rows; every used expert starts a new block.
+
+One program does it all:
+1. key = expert * P2 + pair (P2 = next power of two >= P, padding lanes get expert = E), sorted
+   with `tl.sort`: the sorted keys list the pairs grouped by expert, stable.
+2. For sorted position i: rank = i - (start of its expert's run) (a running max of run starts);
+   a run's padding to a multiple of bm, (bm - 1) - rank % bm, is known at its last element; the
+   row of i is i + (padding of the runs before it) (an exclusive cumsum).
+3. sorted_pairs is pre-filled with P and block_expert with E, then (after a barrier) the pairs are
+   scattered to their rows and each block's first row writes its expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_PAIRS = 8192  # the MoE chunks its calls at 1024 tokens x top-8
+_FILL = 1024  # rows pre-filled per loop step
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_blocks, num_rows,
+                  BM: tl.constexpr, P2: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    # pre-fill: padding rows hold P, blocks past the last used one hold E
+    r0 = 0
+    while r0 < num_rows:  # (a while loop: the interpreter cannot run a runtime range bound)
+        r = r0 + tl.arange(0, FILL)  # [FILL]
+        tl.store(pairs_ptr + r, tl.zeros([FILL], tl.int64) + num_pairs, mask=r < num_rows)
+        tl.store(bexp_ptr + r, tl.zeros([FILL], tl.int64) + num_experts, mask=r < num_blocks)
+        r0 += FILL
+    tl.debug_barrier()  # the scatter below must land after the pre-fill
+
+    i = tl.arange(0, P2)  # [P2] pair index, then sorted position
+    valid = i < num_pairs
+    e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    e = tl.where(valid, e, num_experts)  # padding lanes sort last, as one run
+    key = tl.sort(e * P2 + i)  # [P2] grouped by expert, pair ascending inside
+    se = key // P2  # [P2] expert of sorted position i
+    sp = key % P2  # [P2] its pair
+    prev = tl.gather(se, tl.maximum(i - 1, 0), 0)
+    nxt = tl.gather(se, tl.minimum(i + 1, P2 - 1), 0)
+    start = (i == 0) | (se != prev)
+    end = (i == P2 - 1) | (se != nxt)
+    run_start = tl.associative_scan(tl.where(start, i, 0), 0, _max)  # [P2]
+    rank = i - run_start
+    pad = tl.where(end & valid, (BM - 1) - rank % BM, 0)  # [P2] run padding, at its last element
+    row = i + tl.cumsum(pad, 0) - pad  # [P2] destination row of sorted position i
+    tl.store(pairs_ptr + row, sp.to(tl.int64), mask=valid)
+    tl.store(bexp_ptr + row // BM, se.to(tl.int64), mask=valid & (row % BM == 0))
+
+
+def num_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
+    """Host-side bound on the blocks (same as the torch version): each used expert wastes < bm."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (bm - 1), bm)
+
+
+def _num_warps(p2: int) -> int:
+    return 1 if p2 <= 64 else 2 if p2 <= 256 else 4 if p2 <= 1024 else 8 if p2 <= 4096 else 16
+
+
+def align_by_expert_triton(
+    topk_ids: torch.Tensor,  # [T, k] int
+    num_experts: int,
+    bm: int,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s outputs in one launch: sorted_pairs [NB * bm] int64 (pair index, or
+    P = T * k for padding) and block_expert [NB] int64 (expert, or num_experts past the last used
+    block). Needs P <= 8192, num_experts <= 512 and bm a power of two <= 64."""
+    flat = topk_ids.reshape(-1)  # [P]
+    p = flat.numel()
+    assert p <= MAX_PAIRS, f"align_by_expert_triton: {p} pairs > {MAX_PAIRS} (chunk the tokens)"
+    assert 0 < num_experts <= 512, num_experts
+    assert bm in (1, 2, 4, 8, 16, 32, 64), bm
+    nb = num_blocks(p, num_experts, bm)
+    dev = flat.device
+    sorted_pairs = torch.empty(nb * bm, dtype=torch.int64, device=dev)  # [NB * bm]
+    block_expert = torch.empty(nb, dtype=torch.int64, device=dev)  # [NB]
+    if p == 0:
+        return sorted_pairs, block_expert
+    p2 = max(16, triton.next_power_of_2(p))
+    _align_kernel[(1,)](
+        flat, sorted_pairs, block_expert, p, num_experts, nb, nb * bm,
+        BM=bm, P2=p2, FILL=_FILL, num_warps=num_warps or _num_warps(p2),
+    )  # fmt: skip
+    return sorted_pairs, block_expert
