@@ -1,0 +1,132 @@
+"""One-launch Triton expert alignment (ddserve/kernels/moe_align.py) on the CPU, Triton interpreter.
+
+The kernel runs in a subprocess with TRITON_INTERPRET=1 (read when a kernel is decorated); the
+child prints one JSON record per routing and the tests assert on them. Every record compares
+`align_by_expert_triton` with the plain-torch `moe_triton_v1.align_by_expert`: same dtypes, shapes
+and values (pair order inside an expert, padding value P = T * k, block_expert = E past the last
+used block). Routings: random top-k (T in 1, 2, 7, 48, 200; k in 1, 2, 8; E in 8, 64, 384; bm 8
+and 16, P kept at most 400, plus one P = 1000 case), and skewed ones: every token on the same
+experts, most experts empty, every expert used, the first and last expert only, int32 ids,
+P a power of two, bm 32 and 64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RANDOM = [
+    (t, k, e, bm)
+    for t in (1, 2, 7, 48, 200)
+    for k in (1, 2, 8)
+    for e in (8, 64, 384)
+    for bm in (8, 16)
+    if t * k <= 400 and k <= e
+]
+
+
+def _topk(t: int, k: int, e: int, gen):
+    """Random routing: k distinct experts per token, [T, k] int64."""
+    import torch
+
+    return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])  # [T, k]
+
+
+def _skewed(gen):
+    """(name, topk_ids, num_experts, bm) for routings the random ones rarely hit."""
+    import torch
+
+    cover = torch.stack([torch.randperm(64, generator=gen)[:8] for _ in range(40)])
+    cover[:8] = torch.arange(64).reshape(8, 8)  # every expert used
+    return [
+        ("all_one_expert", torch.full((37, 1), 5), 64, 16),
+        ("all_same_k_experts", torch.tensor([[3, 60, 17]]).repeat(30, 1), 64, 8),
+        ("all_last_expert", torch.full((20, 1), 383), 384, 8),
+        ("first_and_last", torch.tensor([[0, 383]]).repeat(9, 1), 384, 16),
+        ("every_expert_e8", _topk(25, 8, 8, gen), 8, 16),
+        ("every_expert_e64", cover, 64, 8),
+        ("mostly_empty", _topk(3, 2, 384, gen), 384, 16),
+        ("int32_ids", _topk(11, 8, 64, gen).to(torch.int32), 64, 16),
+        ("pow2_pairs", _topk(16, 8, 384, gen), 384, 16),
+        ("one_pair", torch.tensor([[7]]), 8, 8),
+        ("bm32", _topk(20, 8, 64, gen), 64, 32),
+        ("bm64", _topk(20, 8, 8, gen), 8, 64),
+        ("bm64_one_expert", torch.full((70, 1), 2), 8, 64),
+        ("p1000", _topk(125, 8, 384, gen), 384, 16),
+    ]
+
+
+def _compare(name: str, ids, e: int, bm: int) -> dict:
+    import torch
+
+    from ddserve.kernels.moe_align import align_by_expert_triton
+    from ddserve.kernels.moe_triton_v1 import align_by_expert
+
+    want = align_by_expert(ids, e, bm)
+    got = align_by_expert_triton(ids, e, bm)
+    bad = []
+    for what, g, w in zip(("sorted_pairs", "block_expert"), got, want, strict=True):
+        if g.dtype != w.dtype or g.shape != w.shape:
+            bad.append(f"{what}: {g.dtype} {tuple(g.shape)} vs {w.dtype} {tuple(w.shape)}")
+        elif not torch.equal(g, w):
+            i = int((g != w).nonzero()[0])
+            bad.append(f"{what}[{i}] = {int(g[i])}, want {int(w[i])}")
+    return {"name": name, "p": ids.numel(), "e": e, "bm": bm, "bad": bad}
+
+
+def _child() -> None:
+    """Runs under TRITON_INTERPRET=1: print one JSON line per routing."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [(f"random_t{t}_k{k}_e{e}_bm{bm}", _topk(t, k, e, gen), e, bm) for t, k, e, bm in RANDOM]
+    for name, ids, e, bm in cases + _skewed(gen):
+        print(json.dumps(_compare(name, ids, e, bm)), flush=True)
+
+
+@pytest.fixture(scope="module")
+def records() -> dict[str, dict]:
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
+    recs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["name"]: r for r in recs}
+
+
+def test_random_routings_match_torch(records):
+    rand = [r for n, r in records.items() if n.startswith("random_")]
+    assert len(rand) == len(RANDOM)
+    assert [(r["name"], r["bad"]) for r in rand if r["bad"]] == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["all_one_expert", "all_same_k_experts", "all_last_expert", "first_and_last", "every_expert_e8",
+     "every_expert_e64", "mostly_empty", "int32_ids", "pow2_pairs", "one_pair", "bm32", "bm64",
+     "bm64_one_expert", "p1000"],
+)  # fmt: skip
+def test_skewed_routing_matches_torch(records, name):
+    assert records[name]["bad"] == []
+
+
+def test_too_many_pairs_is_refused():
+    import torch
+
+    from ddserve.kernels.moe_align import align_by_expert_triton
+
+    with pytest.raises(AssertionError, match="chunk"):  # asserted on the host, before any launch
+        align_by_expert_triton(torch.zeros(1025, 8, dtype=torch.int64), 384, 16)
+
+
+if __name__ == "__main__":
+    _child()
