@@ -84,7 +84,9 @@ def _child() -> None:
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    cases = [(f"random_t{t}_k{k}_e{e}_bm{bm}", _topk(t, k, e, gen), e, bm) for t, k, e, bm in RANDOM]
+    cases = [
+        (f"random_t{t}_k{k}_e{e}_bm{bm}", _topk(t, k, e, gen), e, bm) for t, k, e, bm in RANDOM
+    ]
     for name, ids, e, bm in cases + _skewed(gen):
         print(json.dumps(_compare(name, ids, e, bm)), flush=True)
 
