@@ -1,0 +1,200 @@
+"""Variant "v3" of the W4A16 grouped MoE matmul: a Gluon kernel (explicit layouts) that feeds the
+dequantized INT4 weights to the tensor cores straight from registers.
+
+Why: in the Triton kernels (v1, v2) the dequantized weight tile is converted to the MMA operand
+layout through shared memory (a store and an ldmatrix of 2 bytes per weight for 0.5 byte read from
+HBM), and each thread loads short pieces of many rows. Here every thread loads one contiguous run
+of words (`moe_w4_repack`: a one-time repack at load) whose nibbles are exactly the MMA operand
+values it owns, so the unpack is a few lop3/fma per pair of weights and the layout conversion is
+a no-op (asserted at compile time).
+
+The operation: out^T[n, m] = sum_k W[n, k] * x[m, k] over 128-column steps, with W [N, K] the
+repacked weights of one expert (rows = output features, on the MMA's M side), x the block's BM
+tokens (the MMA's N side, mma.sync m16n8k16). Within a step the reduction visits K in a fixed
+permuted order (`moe_w4_repack.PHYS`) that is the same for every call: results depend on nothing
+but the token's own row (batch invariant), and differ from the v2 kernels within rounding.
+
+One kernel serves both projections:
+- up:   x rows gathered by token (pairs // TOPK); K = hidden split into SPLIT equal ranges, each
+        program one n-tile and one range; fp32 partials part[s, row, n] (`moe_reduce._silu_kernel`
+        sums the splits in order and applies SiLU-and-mul).
+- down: x = h (rows of the block); each program NT consecutive n-tiles over all of K;
+        y[pair, n] = topk weight * acc in fp32 (`moe_reduce._combine_kernel` sums slots in order).
+Weights are streamed with DEPTH steps of register prefetch.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+BK = gl.constexpr(128)  # K columns per step (4 scale groups of 32)
+
+
+@gluon.constexpr_function
+def _x_layout(W, BM):
+    """x tile [BM * BK] flat (m, q, j): registers the 32 columns j of a lane quad q then token bit
+    3; lanes q and token bits 0-2; every warp holds the whole tile (the B operand of all rows)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1], [2], [4], [8], [16]] + ([[32 * 4 * 8]] if BM == 16 else []),
+        lane_bases=[[32], [64], [128], [256], [512]],
+        warp_bases=[[0]] * (W.bit_length() - 1),
+        block_bases=[],
+        shape=[BM * BK],
+    )
+
+
+@gluon.jit
+def _pair(w, s):
+    """Nibbles at bits 0 and 16 of int32 words w times bf16 scales s (int16 bits): bf16 pairs
+    (n - 8) * s, as two int16 tensors (see moe_w4_tiles._pair_asm: the same instructions)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, s2, one, c;
+        mov.b32 s2, {$3, $3};
+        mov.b32 one, 0x3F803F80;
+        mov.b32 c, 0xC308C308;
+        lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+        fma.rn.bf16x2 t, t, one, c;
+        mov.b32 c, 0x80008000;
+        fma.rn.bf16x2 t, t, s2, c;
+        mov.b32 {$0, $1}, t;
+        }""",
+        constraints="=h,=h,r,h",
+        args=[w, s],
+        dtype=(gl.int16, gl.int16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _bf(x):
+    return x.to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _dup(s, times: gl.constexpr):
+    """[L] -> [L * 2^times]: each element repeated (as the fastest dimension)."""
+    for _ in gl.static_range(times):
+        s = gl.join(s, s)
+    return gl.reshape(s, [s.numel])
+
+
+@gluon.jit
+def _a_tile(words, s0, s1, a_layout: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
+            KC: gl.constexpr):  # fmt: skip
+    """Words [W * 32 * NREP * KC] (thread-major) and per-word scales of rows +0 / +8 -> the
+    [16 W NREP, BK] bf16 MMA A operand (no data movement between threads)."""
+    a0, b0 = _pair(words, s0)  # call i = 0: row + 0, k + 0
+    a1, b1 = _pair(words >> 4, s1)  # i = 1: row + 8
+    a2, b2 = _pair(words >> 8, s0)  # i = 2: k + 8
+    a3, b3 = _pair(words >> 12, s1)  # i = 3: row + 8, k + 8
+    # joins in the order k3, row3, k0: the register order (k0, row3, k3, words...) of operand A
+    r0 = gl.join(gl.join(_bf(a0), _bf(a2)), gl.join(_bf(a1), _bf(a3)))  # k0 = 0: [NW, k3, row3]
+    r1 = gl.join(gl.join(_bf(b0), _bf(b2)), gl.join(_bf(b1), _bf(b3)))  # k0 = 1
+    t = gl.join(r0, r1)  # [NW, 2 (k3), 2 (row3), 2 (k0)]
+    t = gl.reshape(t, [W, 8, 4, NREP, KC, 2, 2, 2])  # w, g, q, rep, c, k3, row3, k0
+    t = gl.permute(t, [3, 0, 6, 1, 4, 5, 2, 7])  # rep, w, row3, g | c, k3, q, k0
+    t = gl.reshape(t, [16 * W * NREP, BK])
+    return gl.convert_layout(t, a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _x_tile(x_ptr, x_off, x_ok, kb, b_layout: gl.constexpr, BM: gl.constexpr):
+    """x_off [BM * BK] (x layout: token m, lane quad q, 32 contiguous columns j per thread) ->
+    the [BK, BM] bf16 MMA B operand in the permuted K order."""
+    x = gl.load(x_ptr + x_off + kb, mask=x_ok, other=0.0)
+    x = gl.reshape(x, [BM, 4, 8, 2, 2])  # m, q, c, k3, k0 (j = 4 c + 2 k3 + k0)
+    x = gl.permute(x, [2, 3, 1, 4, 0])  # c, k3, q, k0 | m
+    x = gl.reshape(x, [BK, BM])
+    return gl.convert_layout(x, b_layout, assert_trivial=True)
+
+
+@gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
+def _w4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, tw_ptr,
+    num_pairs, num_experts, num_mblocks, N, K,
+    stride_x, stride_os, stride_or, expert_words, expert_scales,
+    TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
+    BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
+    SPLIT: gl.constexpr, DOWN: gl.constexpr,
+):  # fmt: skip
+    BN: gl.constexpr = 16 * W * NREP
+    KC: gl.constexpr = BK // 16
+    R: gl.constexpr = NREP * KC  # words per thread per step
+    NW: gl.constexpr = 32 * W * R  # words per step (= BN * BK / 8)
+    NS: gl.constexpr = 32 * W * NREP * 2  # scales per step (= BN * BK / 32)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_l: gl.constexpr = gl.BlockedLayout([R], [32], [W], [0])
+    s_l: gl.constexpr = gl.BlockedLayout([2 * NREP], [32], [W], [0])
+    x_l: gl.constexpr = _x_layout(W, BM)
+
+    pid = gl.program_id(0)
+    pid_m = pid % num_mblocks
+    rest = pid // num_mblocks
+    pid_s = rest % SPLIT
+    pid_n = rest // SPLIT
+    e = gl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    # x rows of this block (token gather for the up projection, block rows for the down)
+    f = gl.arange(0, BM * BK, layout=x_l)
+    m = f // BK
+    row = pid_m * BM + m
+    pair = gl.load(pairs_ptr + row)
+    valid = pair < num_pairs
+    if GATHER:
+        xr = (pair // TOPK).to(gl.int64)
+    else:
+        xr = row.to(gl.int64)
+    k_lo = pid_s * KSTEPS * BK
+    x_off = xr * stride_x + (f % BK) + k_lo
+    # weight stream: tiles of this program are consecutive
+    tile0 = (pid_n * NT) * KS_TOTAL + pid_s * KSTEPS
+    w_base = w_ptr + e.to(gl.int64) * expert_words + tile0.to(gl.int64) * NW
+    s_base = s_ptr + e.to(gl.int64) * expert_scales + tile0.to(gl.int64) * NS
+    w_off = gl.arange(0, NW, layout=w_l)
+    s_off = gl.arange(0, NS, layout=s_l)
+    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    wn = gl.load(w_base + w_off)  # step 0's words
+    for t in range(NT * KSTEPS):
+        wc = wn
+        nxt = gl.minimum(t + 1, NT * KSTEPS - 1)
+        wn = gl.load(w_base + nxt * NW + w_off)  # prefetch the next step's words
+        sc = gl.load(s_base + t * NS + s_off).to(gl.int16, bitcast=True)
+        sc = gl.reshape(sc, [NS // 2, 2])
+        s0, s1 = gl.split(sc)  # rows +0 / +8 of each rep
+        s0 = gl.convert_layout(_dup(s0, 3), w_l, assert_trivial=True)
+        s1 = gl.convert_layout(_dup(s1, 3), w_l, assert_trivial=True)
+        a = _a_tile(wc, s0, s1, a_l, W, NREP, KC)
+        kb = (t % KSTEPS) * BK
+        b = _x_tile(x_ptr, x_off, valid & (k_lo + kb + (f % BK) < K), kb, b_l, BM)
+        acc = mma_v2(a, b, acc)
+        if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
+            nt = pid_n * NT + t // KSTEPS
+            _store(acc, out_ptr, pairs_ptr, tw_ptr, pid_m, pid_s, nt, num_pairs, N, stride_os,
+                   stride_or, mma, BM, BN, DOWN)  # fmt: skip
+            acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+
+
+@gluon.jit
+def _store(acc, out_ptr, pairs_ptr, tw_ptr, pid_m, pid_s, nt, num_pairs, N, stride_os, stride_or,
+           mma: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DOWN: gl.constexpr):  # fmt: skip
+    n = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    row = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    pair = gl.load(pairs_ptr + row)
+    ok = gl.expand_dims(n < N, 1) & gl.expand_dims(pair < num_pairs, 0)
+    if DOWN:  # y [P, N]: the pair's row, times its top-k weight
+        wt = gl.load(tw_ptr + pair, mask=pair < num_pairs, other=0.0)
+        val = acc * gl.expand_dims(wt, 0)
+        r = pair.to(gl.int64)
+    else:  # part [SPLIT, rows, N]: the block row
+        val = acc
+        r = row.to(gl.int64)
+    ptrs = out_ptr + pid_s * stride_os + gl.expand_dims(r, 0) * stride_or + gl.expand_dims(n, 1)
+    gl.store(ptrs, val, mask=ok)
