@@ -77,12 +77,11 @@ def align_by_expert_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s outputs in one launch: sorted_pairs [NB * bm] int64 (pair index, or
     P = T * k for padding) and block_expert [NB] int64 (expert, or num_experts past the last used
-    block). Needs P <= 8192, num_experts <= 512 and bm a power of two <= 64."""
+    block). Needs P <= 8192 and bm a power of two (the MoE uses 8 .. 64)."""
     flat = topk_ids.reshape(-1)  # [P]
     p = flat.numel()
     assert p <= MAX_PAIRS, f"align_by_expert_triton: {p} pairs > {MAX_PAIRS} (chunk the tokens)"
-    assert 0 < num_experts <= 512, num_experts
-    assert bm in (1, 2, 4, 8, 16, 32, 64), bm
+    assert bm in (1, 2, 4, 8, 16, 32, 64, 128, 256), bm  # a power of two (tl.arange)
     nb = num_blocks(p, num_experts, bm)
     dev = flat.device
     sorted_pairs = torch.empty(nb * bm, dtype=torch.int64, device=dev)  # [NB * bm]
@@ -90,6 +89,7 @@ def align_by_expert_triton(
     if p == 0:
         return sorted_pairs, block_expert
     p2 = max(16, triton.next_power_of_2(p))
+    assert 0 < num_experts and (num_experts + 1) * p2 < 2**31, num_experts  # int32 sort keys
     _align_kernel[(1,)](
         flat, sorted_pairs, block_expert, p, num_experts, nb, nb * bm,
         BM=bm, P2=p2, FILL=_FILL, num_warps=num_warps or _num_warps(p2),
