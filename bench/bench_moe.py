@@ -20,14 +20,27 @@ import time
 import torch
 from _util import copy_bandwidth_gbs, device, environment, rel_err, time_ms, write_json
 
-from ddserve.kernels import moe_triton_v2
+from ddserve.kernels import moe_triton_v2, moe_v3
 from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
 from ddserve.kernels.moe_triton import _pick_bm, align_by_expert, fused_moe
 
 RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T = 1)
 # (name, config, invariant), in priority order (a run out of budget drops the last ones)
 V2 = {"variant": "v2"}
-VARIANTS = [  # defaults since round 3: TMA, BN1=64 W1=8 SPLIT=4 KW1=16 S1=3 SVEC MAXREG=128
+V3 = {"variant": "v3"}
+VARIANTS = [  # v2 default: pointer kernel, BN1=64 W1=8 SPLIT=4 KW1=16 SVEC MAXREG=128
+    ("v3", V3, True),  # Gluon, register-fed mma.sync: W=4 NREP=2 BM=16 SPLIT=8 NT=4 DEPTH=1
+    ("v3-bm8", {**V3, "BM": 8}, True),
+    ("v3-d2", {**V3, "DEPTH": 2}, True),
+    ("v3-bm8-d2", {**V3, "BM": 8, "DEPTH": 2}, True),
+    ("v3-nrep4", {**V3, "NREP": 4}, True),
+    ("v3-nrep1", {**V3, "NREP": 1}, True),
+    ("v3-nrep1-d2", {**V3, "NREP": 1, "DEPTH": 2}, True),
+    ("v3-w8-nrep1", {**V3, "W": 8, "NREP": 1}, True),
+    ("v3-split4", {**V3, "SPLIT": 4}, True),
+    ("v3-split14", {**V3, "SPLIT": 14}, True),
+    ("v3-nt8", {**V3, "NT": 8}, True),
+    ("v3-nt2", {**V3, "NT": 2}, True),
     ("v2-inv", V2, True),  # the default (TMA)
     ("v2-inv-ptr", {**V2, "TMA": False}, True),  # round-2 default: pointer loads, 1-step prefetch
     ("v2-inv-tma2", {**V2, "TMA2": True}, True),  # + TMA down kernel, 4 column tiles / program
@@ -167,7 +180,7 @@ def main() -> None:
         todo = [(n, {**V2, **c}, True) for n, c in ABLATIONS]
         res["variants"] = [dict(name=n, config=c, invariant=v) for n, c, v in todo]
     else:
-        todo = VARIANTS if args.variants else VARIANTS[:2]
+        todo = VARIANTS if args.variants else [v for v in VARIANTS if v[0] in ("v3", "v2-inv")]
     for name, cfg, inv in todo:
         for row, x, ids, tw, ref in rows:
             if time.perf_counter() - start > args.budget:
@@ -181,7 +194,9 @@ def main() -> None:
                 ms = time_ms(call, rep=args.rep)
                 gbs = row["bytes"] / ms / 1e6
                 r = dict(us=ms * 1e3, gbs=gbs, frac_of_copy=gbs / bw, err=err)
-                r["launch"] = {n: dict(v) for n, v in moe_triton_v2.LAST_LAUNCH.items()}
+                v3 = cfg.get("variant") == "v3"
+                launches = moe_v3.LAST_LAUNCH if v3 else moe_triton_v2.LAST_LAUNCH
+                r["launch"] = {n: dict(v) for n, v in launches.items()}
                 if args.ablate and name in ("full", "load_only"):
                     r["kernels_us"] = kernel_breakdown(call)
                     print(f"  kernels (us): {r['kernels_us']}")

@@ -19,6 +19,16 @@ case "${1:-check}" in
     timeout 400 python3 -m pytest tests/gpu -q -s -p no:cacheprovider -rf >"$OUT/pytest.log" 2>&1
     tail -45 "$OUT/pytest.log" >>"$LOG"
     ;;
+  v3)  # session 3: the Gluon MoE (correctness of every v3 path, then the variant sweep), alignment
+    timeout 170 python3 -m pytest tests/gpu/test_moe_triton.py -q -p no:cacheprovider -rf -k "v3" \
+      >"$OUT/pytest_v3.log" 2>&1; tail -25 "$OUT/pytest_v3.log" >>"$LOG"
+    [ -f tests/gpu/test_moe_align_gpu.py ] && timeout 60 python3 -m pytest tests/gpu/test_moe_align_gpu.py \
+      -q -p no:cacheprovider -rf 2>&1 | tail -5 >>"$LOG"
+    (cd bench && timeout 230 python3 bench_moe.py --variants --budget 190 --no-torch \
+      --out "$OUT/moe_v3.json") 2>&1 | tail -60 >>"$LOG"
+    [ -f bench/bench_align.py ] && timeout 60 python3 bench/bench_align.py --out "$OUT/align.json" 2>&1 \
+      | tail -12 >>"$LOG"
+    ;;
   speed)
     (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
     (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"

@@ -12,7 +12,13 @@ import torch
 
 from ddserve.kernels.moe_ref import dequantize_int4, quantize_int4
 from ddserve.kernels.moe_w4_repack import (
-    BK, _kernel_a, _kernel_b_phys, _kernel_scales, decode, kernel_maps, repack,
+    BK,
+    _kernel_a,
+    _kernel_b_phys,
+    _kernel_scales,
+    decode,
+    kernel_maps,
+    repack,
 )
 
 
@@ -26,8 +32,10 @@ def test_maps_are_a_bijection(w: int, nrep: int) -> None:
     assert sorted(slots.tolist()) == list(range(bn * 4))
 
 
-@pytest.mark.parametrize("e,n,k,w,nrep", [(3, 128, 256, 4, 2), (2, 96, 160, 4, 1), (2, 200, 96, 4, 2),
-                                          (1, 512, 384, 8, 1)])  # fmt: skip
+SHAPES = [(3, 128, 256, 4, 2), (2, 96, 160, 4, 1), (2, 200, 96, 4, 2), (1, 512, 384, 8, 1)]
+
+
+@pytest.mark.parametrize("e,n,k,w,nrep", SHAPES)
 def test_decode_equals_dequantize(e: int, n: int, k: int, w: int, nrep: int) -> None:
     torch.manual_seed(0)
     packed, scale = quantize_int4(torch.randn(e, n, k))

@@ -34,14 +34,14 @@ BK = gl.constexpr(128)  # K columns per step (4 scale groups of 32)
 
 @gluon.constexpr_function
 def _x_layout(W, BM):
-    """x tile [BM * BK] flat (m, q, j): registers the 32 columns j of a lane quad q then token bit
-    3; lanes q and token bits 0-2; every warp holds the whole tile (the B operand of all rows)."""
+    """x tile [BM, BK] (columns 32 q + j): registers the 32 columns j of lane quad q, then token
+    bit 3; lanes q and token bits 0-2; every warp holds the whole tile (B of all its rows)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[1], [2], [4], [8], [16]] + ([[32 * 4 * 8]] if BM == 16 else []),
-        lane_bases=[[32], [64], [128], [256], [512]],
-        warp_bases=[[0]] * (W.bit_length() - 1),
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]] + ([[8, 0]] if BM == 16 else []),
+        lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * (W.bit_length() - 1),
         block_bases=[],
-        shape=[BM * BK],
+        shape=[BM, 128],
     )
 
 
@@ -103,10 +103,10 @@ def _a_tile(words, s0, s1, a_layout: gl.constexpr, W: gl.constexpr, NREP: gl.con
 
 @gluon.jit
 def _x_tile(x_ptr, x_off, x_ok, kb, b_layout: gl.constexpr, BM: gl.constexpr):
-    """x_off [BM * BK] (x layout: token m, lane quad q, 32 contiguous columns j per thread) ->
-    the [BK, BM] bf16 MMA B operand in the permuted K order."""
+    """x_off [BM, BK] (`_x_layout`: 32 contiguous columns per thread) -> the [BK, BM] bf16 MMA
+    B operand in the permuted K order."""
     x = gl.load(x_ptr + x_off + kb, mask=x_ok, other=0.0)
-    x = gl.reshape(x, [BM, 4, 8, 2, 2])  # m, q, c, k3, k0 (j = 4 c + 2 k3 + k0)
+    x = gl.reshape(x, [BM, 4, 8, 2, 2])  # m, q, c, k3, k0 (column 32 q + 4 c + 2 k3 + k0)
     x = gl.permute(x, [2, 3, 1, 4, 0])  # c, k3, q, k0 | m
     x = gl.reshape(x, [BK, BM])
     return gl.convert_layout(x, b_layout, assert_trivial=True)
@@ -119,7 +119,7 @@ def _w4_gemm_kernel(
     stride_x, stride_os, stride_or, expert_words, expert_scales,
     TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
-    SPLIT: gl.constexpr, DOWN: gl.constexpr,
+    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
@@ -143,17 +143,16 @@ def _w4_gemm_kernel(
     if e >= num_experts:
         return
     # x rows of this block (token gather for the up projection, block rows for the down)
-    f = gl.arange(0, BM * BK, layout=x_l)
-    m = f // BK
-    row = pid_m * BM + m
-    pair = gl.load(pairs_ptr + row)
-    valid = pair < num_pairs
+    m = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
+    col = gl.arange(0, BK, layout=gl.SliceLayout(0, x_l))
+    pair = gl.load(pairs_ptr + pid_m * BM + m)
+    valid = gl.expand_dims(pair < num_pairs, 1)  # [BM, 1]
     if GATHER:
         xr = (pair // TOPK).to(gl.int64)
     else:
-        xr = row.to(gl.int64)
+        xr = (pid_m * BM + m).to(gl.int64)
     k_lo = pid_s * KSTEPS * BK
-    x_off = xr * stride_x + (f % BK) + k_lo
+    x_off = gl.expand_dims(xr * stride_x, 1) + gl.expand_dims(col + k_lo, 0)  # [BM, BK]
     # weight stream: tiles of this program are consecutive
     tile0 = (pid_n * NT) * KS_TOTAL + pid_s * KSTEPS
     w_base = w_ptr + e.to(gl.int64) * expert_words + tile0.to(gl.int64) * NW
@@ -161,11 +160,17 @@ def _w4_gemm_kernel(
     w_off = gl.arange(0, NW, layout=w_l)
     s_off = gl.arange(0, NS, layout=s_l)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    wn = gl.load(w_base + w_off)  # step 0's words
+    w1 = gl.load(w_base + w_off)  # steps 0 (and 1) in flight before the loop
+    if DEPTH == 2:
+        w2 = gl.load(w_base + gl.minimum(1, NT * KSTEPS - 1) * NW + w_off)
     for t in range(NT * KSTEPS):
-        wc = wn
-        nxt = gl.minimum(t + 1, NT * KSTEPS - 1)
-        wn = gl.load(w_base + nxt * NW + w_off)  # prefetch the next step's words
+        wc = w1
+        nxt = gl.minimum(t + DEPTH, NT * KSTEPS - 1)  # (the last steps reload a tile: L2 hits)
+        if DEPTH == 2:
+            w1 = w2
+            w2 = gl.load(w_base + nxt * NW + w_off)
+        else:
+            w1 = gl.load(w_base + nxt * NW + w_off)
         sc = gl.load(s_base + t * NS + s_off).to(gl.int16, bitcast=True)
         sc = gl.reshape(sc, [NS // 2, 2])
         s0, s1 = gl.split(sc)  # rows +0 / +8 of each rep
@@ -173,7 +178,8 @@ def _w4_gemm_kernel(
         s1 = gl.convert_layout(_dup(s1, 3), w_l, assert_trivial=True)
         a = _a_tile(wc, s0, s1, a_l, W, NREP, KC)
         kb = (t % KSTEPS) * BK
-        b = _x_tile(x_ptr, x_off, valid & (k_lo + kb + (f % BK) < K), kb, b_l, BM)
+        x_ok = valid & gl.expand_dims(col + (k_lo + kb) < K, 0)
+        b = _x_tile(x_ptr, x_off, x_ok, kb, b_l, BM)
         acc = mma_v2(a, b, acc)
         if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
             nt = pid_n * NT + t // KSTEPS

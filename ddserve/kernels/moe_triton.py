@@ -5,6 +5,8 @@ Variants (pick with config={"variant": ...}; the other config keys go to the var
   batch-invariant mode (fixed tiles, fixed-order sums, no atomics) when `invariant=True`.
 - "v1" (`moe_triton_v1`): the first kernel, kept for comparison; not batch invariant, so
   `invariant=True` never runs it unless the config names it explicitly.
+- "v3" (`moe_v3`, Gluon, CUDA and INT4 only): dequantized weights fed to mma.sync from registers,
+  weights repacked once into the kernel's stream; always batch invariant.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import torch
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert, fused_moe_v1
 from ddserve.kernels.moe_triton_v2 import fused_moe_v2
+from ddserve.kernels.moe_v3 import fused_moe_v3
 
 __all__ = ["DEFAULT_VARIANT", "VARIANTS", "_pick_bm", "align_by_expert", "fused_moe"]
 
-VARIANTS = {"v1": fused_moe_v1, "v2": fused_moe_v2}
+VARIANTS = {"v1": fused_moe_v1, "v2": fused_moe_v2, "v3": fused_moe_v3}
 DEFAULT_VARIANT = "v2"
 
 

@@ -131,7 +131,7 @@ def repack(
     e, n, kw = packed.shape
     k = kw * PACK
     if scale.shape != (e, n, k // GROUP):
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
+        raise ValueError(f"scale {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
     maps = kernel_maps(w, nrep)
     bn = 16 * w * nrep
     nt, ks = -(-n // bn), -(-k // BK)
@@ -146,7 +146,8 @@ def repack(
         nib = ((p.unsqueeze(-1).to(torch.int64) >> shifts) & 0xF).to(torch.uint8)  # [c, N, K/8, 8]
         nib = nib.reshape(c, n, k)
         nib = torch.nn.functional.pad(nib, (0, ks * BK - k, 0, nt * bn - n), value=8)  # zeros
-        sc = torch.nn.functional.pad(scale[e0 : e0 + chunk], (0, ks * 4 - k // GROUP, 0, nt * bn - n))
+        sc = scale[e0 : e0 + chunk]
+        sc = torch.nn.functional.pad(sc, (0, ks * 4 - k // GROUP, 0, nt * bn - n))  # zero scales
         tiles = nib.reshape(c, nt, bn, ks, BK).permute(0, 1, 3, 2, 4)  # [c, NT, KS, BN, BK]
         t = tiles[:, :, :, wr, wc].to(torch.int64)  # [c, NT, KS, NW, 8]
         word = (t << shifts).sum(-1)  # [c, NT, KS, NW]

@@ -54,6 +54,7 @@ PATHS = [
     ({"variant": "v2", "GEMV": True}, True),
     ({"variant": "v2", "TUNED": True}, False),
     ({"variant": "v2", "TMA": False}, True),  # round-2 default (pointer up kernel; SVEC is on)
+    ({"variant": "v3"}, True),  # Gluon, register-fed mma.sync (INT4 only: not in the dense test)
 ]
 PATH_IDS = [
     "v1",
@@ -64,6 +65,7 @@ PATH_IDS = [
     "v2-gemv-inv",
     "v2-tuned",
     "v2-ptr-inv",
+    "v3",
 ]
 
 
@@ -135,11 +137,17 @@ V2_CONFIGS = [
     dict(TMA=False, BN1=32, W1=4, MAXREG=128), dict(TMA2=True), dict(TMA2=True, NT2=8, S2=3),
     dict(TMA2=True, BM=32),
 ]  # fmt: skip
+V3_CONFIGS = [
+    dict(BM=8), dict(NREP=1), dict(NREP=4), dict(W=8, NREP=1), dict(DEPTH=2), dict(SPLIT=4),
+    dict(SPLIT=1), dict(NT=1), dict(NT=8), dict(BM=8, DEPTH=2, NREP=4),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "config",
-    [{"variant": "v1", **c} for c in V1_CONFIGS] + [{"variant": "v2", **c} for c in V2_CONFIGS],
+    [{"variant": "v1", **c} for c in V1_CONFIGS]
+    + [{"variant": "v2", **c} for c in V2_CONFIGS]
+    + [{"variant": "v3", **c} for c in V3_CONFIGS],
 )
 def test_tile_configs(config):
     check(
@@ -171,7 +179,8 @@ def test_dense_bf16_weights(t, path):
 
 INVARIANT_PATHS = [
     {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True},
-    {"variant": "v2", "TMA": False}, {"variant": "v2", "TMA2": True},
+    {"variant": "v2", "TMA": False}, {"variant": "v2", "TMA2": True}, {"variant": "v3"},
+    {"variant": "v3", "BM": 8, "DEPTH": 2},
 ]  # fmt: skip
 
 
