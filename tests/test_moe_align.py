@@ -5,9 +5,9 @@ child prints one JSON record per routing and the tests assert on them. Every rec
 `align_by_expert_triton` with the plain-torch `moe_triton_v1.align_by_expert`: same dtypes, shapes
 and values (pair order inside an expert, padding value P = T * k, block_expert = E past the last
 used block). Routings: random top-k (T in 1, 2, 7, 48, 200; k in 1, 2, 8; E in 8, 64, 384; bm 8
-and 16, P kept at most 400, plus one P = 1000 case), and skewed ones: every token on the same
-experts, most experts empty, every expert used, the first and last expert only, int32 ids,
-P a power of two, bm 32 and 64.
+and 16, P kept at most 400), and skewed ones (every token on the same experts, most experts
+empty, every expert used, the first and last expert only, int32 ids, P a power of two, P = 1000, bm 32 and 64). The random routings alternate the two ways the kernel finds a
+sorted position's neighbours (tl.gather, or through memory); the skewed ones run both.
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def _skewed(gen):
     ]
 
 
-def _compare(name: str, ids, e: int, bm: int) -> dict:
+def _compare(name: str, ids, e: int, bm: int, gather: bool) -> dict:
     import torch
 
     from ddserve.kernels.moe_align import align_by_expert_triton
     from ddserve.kernels.moe_triton_v1 import align_by_expert
 
     want = align_by_expert(ids, e, bm)
-    got = align_by_expert_triton(ids, e, bm)
+    got = align_by_expert_triton(ids, e, bm, gather=gather)
     bad = []
     for what, g, w in zip(("sorted_pairs", "block_expert"), got, want, strict=True):
         if g.dtype != w.dtype or g.shape != w.shape:
@@ -76,7 +76,7 @@ def _compare(name: str, ids, e: int, bm: int) -> dict:
         elif not torch.equal(g, w):
             i = int((g != w).nonzero()[0])
             bad.append(f"{what}[{i}] = {int(g[i])}, want {int(w[i])}")
-    return {"name": name, "p": ids.numel(), "e": e, "bm": bm, "bad": bad}
+    return {"name": name, "p": ids.numel(), "e": e, "bm": bm, "gather": gather, "bad": bad}
 
 
 def _child() -> None:
@@ -87,8 +87,11 @@ def _child() -> None:
     cases = [
         (f"random_t{t}_k{k}_e{e}_bm{bm}", _topk(t, k, e, gen), e, bm) for t, k, e, bm in RANDOM
     ]
-    for name, ids, e, bm in cases + _skewed(gen):
-        print(json.dumps(_compare(name, ids, e, bm)), flush=True)
+    for n, (name, ids, e, bm) in enumerate(cases):  # the two neighbour paths take turns
+        print(json.dumps(_compare(name, ids, e, bm, gather=n % 2 == 0)), flush=True)
+    for name, ids, e, bm in _skewed(gen):  # both paths
+        print(json.dumps(_compare(name, ids, e, bm, gather=True)), flush=True)
+        print(json.dumps(_compare(f"{name}_memory", ids, e, bm, gather=False)), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,7 @@ def records() -> dict[str, dict]:
 def test_random_routings_match_torch(records):
     rand = [r for n, r in records.items() if n.startswith("random_")]
     assert len(rand) == len(RANDOM)
+    assert {r["gather"] for r in rand} == {True, False}
     assert [(r["name"], r["bad"]) for r in rand if r["bad"]] == []
 
 
@@ -117,8 +121,11 @@ def test_random_routings_match_torch(records):
      "every_expert_e64", "mostly_empty", "int32_ids", "pow2_pairs", "one_pair", "bm32", "bm64",
      "bm64_one_expert", "p1000"],
 )  # fmt: skip
-def test_skewed_routing_matches_torch(records, name):
-    assert records[name]["bad"] == []
+@pytest.mark.parametrize("path", ["gather", "memory"])
+def test_skewed_routing_matches_torch(records, name, path):
+    rec = records[name if path == "gather" else f"{name}_memory"]
+    assert rec["gather"] == (path == "gather")
+    assert rec["bad"] == []
 
 
 def test_too_many_pairs_is_refused():

@@ -9,19 +9,26 @@ One program does it all:
    with `tl.sort`: the sorted keys list the pairs grouped by expert, stable.
 2. For sorted position i: rank = i - (start of its expert's run) (a running max of run starts);
    a run's padding to a multiple of bm, (bm - 1) - rank % bm, is known at its last element; the
-   row of i is i + (padding of the runs before it) (an exclusive cumsum).
+   row of i is i + (padding of the runs before it) (an exclusive cumsum). The run boundaries
+   need each sorted position's neighbours: `tl.gather` (default), or a store / barrier / load
+   through the output buffer (the fallback, used from then on if the gather fails to compile).
 3. sorted_pairs is pre-filled with P and block_expert with E, then (after a barrier) the pairs are
    scattered to their rows and each block's first row writes its expert.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
+log = logging.getLogger(__name__)
+
 MAX_PAIRS = 8192  # the MoE chunks its calls at 1024 tokens x top-8
 _FILL = 1024  # rows pre-filled per loop step
+GATHER_ERROR: str | None = None  # set when the tl.gather kernel failed to compile on this device
 
 
 @triton.jit
@@ -31,7 +38,31 @@ def _max(a, b):
 
 @triton.jit
 def _align_kernel(ids_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_blocks, num_rows,
-                  BM: tl.constexpr, P2: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+                  BM: tl.constexpr, P2: tl.constexpr, FILL: tl.constexpr,
+                  GATHER: tl.constexpr):  # fmt: skip
+    i = tl.arange(0, P2)  # [P2] pair index, then sorted position
+    valid = i < num_pairs
+    e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    e = tl.where(valid, e, num_experts)  # padding lanes sort last, as one run
+    key = tl.sort(e * P2 + i)  # [P2] grouped by expert, pair ascending inside
+    se = key // P2  # [P2] expert of sorted position i
+    sp = key % P2  # [P2] its pair
+    if GATHER:  # neighbours in registers / shared memory
+        prev = tl.gather(se, tl.maximum(i - 1, 0), 0)
+        nxt = tl.gather(se, tl.minimum(i + 1, P2 - 1), 0)
+    else:  # neighbours through the output buffer (>= P rows), before its pre-fill
+        tl.store(pairs_ptr + i, se.to(tl.int64), mask=valid)
+        tl.debug_barrier()
+        prev = tl.load(pairs_ptr + i - 1, mask=valid & (i > 0), other=-1).to(tl.int32)
+        nxt = tl.load(pairs_ptr + i + 1, mask=i + 1 < num_pairs, other=num_experts).to(tl.int32)
+        tl.debug_barrier()
+    start = (i == 0) | (se != prev)
+    end = (i == P2 - 1) | (se != nxt)
+    run_start = tl.associative_scan(tl.where(start, i, 0), 0, _max)  # [P2]
+    rank = i - run_start
+    pad = tl.where(end & valid, (BM - 1) - rank % BM, 0)  # [P2] run padding, at its last element
+    row = i + tl.cumsum(pad, 0) - pad  # [P2] destination row of sorted position i
+
     # pre-fill: padding rows hold P, blocks past the last used one hold E
     r0 = 0
     while r0 < num_rows:  # (a while loop: the interpreter cannot run a runtime range bound)
@@ -40,22 +71,6 @@ def _align_kernel(ids_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_bloc
         tl.store(bexp_ptr + r, tl.zeros([FILL], tl.int64) + num_experts, mask=r < num_blocks)
         r0 += FILL
     tl.debug_barrier()  # the scatter below must land after the pre-fill
-
-    i = tl.arange(0, P2)  # [P2] pair index, then sorted position
-    valid = i < num_pairs
-    e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
-    e = tl.where(valid, e, num_experts)  # padding lanes sort last, as one run
-    key = tl.sort(e * P2 + i)  # [P2] grouped by expert, pair ascending inside
-    se = key // P2  # [P2] expert of sorted position i
-    sp = key % P2  # [P2] its pair
-    prev = tl.gather(se, tl.maximum(i - 1, 0), 0)
-    nxt = tl.gather(se, tl.minimum(i + 1, P2 - 1), 0)
-    start = (i == 0) | (se != prev)
-    end = (i == P2 - 1) | (se != nxt)
-    run_start = tl.associative_scan(tl.where(start, i, 0), 0, _max)  # [P2]
-    rank = i - run_start
-    pad = tl.where(end & valid, (BM - 1) - rank % BM, 0)  # [P2] run padding, at its last element
-    row = i + tl.cumsum(pad, 0) - pad  # [P2] destination row of sorted position i
     tl.store(pairs_ptr + row, sp.to(tl.int64), mask=valid)
     tl.store(bexp_ptr + row // BM, se.to(tl.int64), mask=valid & (row % BM == 0))
 
@@ -74,10 +89,13 @@ def align_by_expert_triton(
     num_experts: int,
     bm: int,
     num_warps: int | None = None,
+    gather: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s outputs in one launch: sorted_pairs [NB * bm] int64 (pair index, or
     P = T * k for padding) and block_expert [NB] int64 (expert, or num_experts past the last used
-    block). Needs P <= 8192 and bm a power of two (the MoE uses 8 .. 64)."""
+    block). Needs P <= 8192 and bm a power of two (the MoE uses 8 .. 64). `num_warps` and `gather`
+    (neighbours by tl.gather, else through memory) override the defaults (bench, tests)."""
+    global GATHER_ERROR
     flat = topk_ids.reshape(-1)  # [P]
     p = flat.numel()
     assert p <= MAX_PAIRS, f"align_by_expert_triton: {p} pairs > {MAX_PAIRS} (chunk the tokens)"
@@ -90,8 +108,18 @@ def align_by_expert_triton(
         return sorted_pairs, block_expert
     p2 = max(16, triton.next_power_of_2(p))
     assert 0 < num_experts and (num_experts + 1) * p2 < 2**31, num_experts  # int32 sort keys
-    _align_kernel[(1,)](
-        flat, sorted_pairs, block_expert, p, num_experts, nb, nb * bm,
-        BM=bm, P2=p2, FILL=_FILL, num_warps=num_warps or _num_warps(p2),
-    )  # fmt: skip
+    args = (flat, sorted_pairs, block_expert, p, num_experts, nb, nb * bm)
+    meta = dict(BM=bm, P2=p2, FILL=_FILL, num_warps=num_warps or _num_warps(p2))
+    if gather is None and GATHER_ERROR is None:
+        try:
+            _align_kernel[(1,)](*args, **meta, GATHER=True)
+            return sorted_pairs, block_expert
+        except Exception as exc:  # noqa: BLE001 - compile failure: the memory path from now on
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            GATHER_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
+            log.warning(
+                "moe_align: tl.gather kernel failed, neighbours via memory: %s", GATHER_ERROR
+            )
+    _align_kernel[(1,)](*args, **meta, GATHER=bool(gather))
     return sorted_pairs, block_expert

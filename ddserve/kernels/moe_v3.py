@@ -5,9 +5,9 @@ Same contract as `moe_ref` / `fused_moe_v2`, INT4 weights with bf16 scales on an
 config depends only on the weight shapes, every sum runs in a fixed order (K steps, then the
 SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`), no atomics.
 
-The repacked weights are made on first use and cached on the `ExpertWeights` object (an extra copy
-of the expert weights: an engine that serves with v3 should repack at load and drop the original
-tensors; see `prepare`).
+The repacked weights are made on first use and cached with the weight tensors (`prepare`): an
+extra copy of the expert weights, next to the compressed-tensors originals that the other
+variants and the torch reference read.
 """
 
 from __future__ import annotations
@@ -28,12 +28,20 @@ LAST_LAUNCH: dict[str, dict] = {}
 
 
 def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked, Repacked]:
-    """The (w13, w2) streams for this tile config, made once per weights object."""
-    cache = weights.__dict__.setdefault("_v3_streams", {})
-    key = (w, nrep)
+    """The (w13, w2) streams for this tile config, made once per weight tensors: cached as an
+    attribute of the w13 packed tensor (its lifetime), keyed by the tensors' in-place versions
+    (a weight load after the first call repacks again). `ExpertWeights` itself is rebuilt per
+    forward by the model, so it cannot hold the cache."""
+    if not weights.is_int4:
+        raise ValueError("MoE v3 needs INT4 weights")
+    tensors = (weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale)
+    key = (w, nrep, *(t._version for t in tensors), *(t.data_ptr() for t in tensors))
+    cache = getattr(weights.w13_packed, "_ddserve_v3", None)
+    if cache is None:
+        cache = {}
+        weights.w13_packed._ddserve_v3 = cache
     if key not in cache:
-        if not weights.is_int4:
-            raise ValueError("MoE v3 needs INT4 weights")
+        cache.clear()  # one config at a time per tensor (the bench sweeps configs in sequence)
         cache[key] = (
             repack(weights.w13_packed, weights.w13_scale, w, nrep),
             repack(weights.w2_packed, weights.w2_scale, w, nrep),
