@@ -6,8 +6,9 @@ child prints one JSON record per routing and the tests assert on them. Every rec
 and values (pair order inside an expert, padding value P = T * k, block_expert = E past the last
 used block). Routings: random top-k (T in 1, 2, 7, 48, 200; k in 1, 2, 8; E in 8, 64, 384; bm 8
 and 16, P kept at most 400), and skewed ones (every token on the same experts, most experts
-empty, every expert used, the first and last expert only, int32 ids, P a power of two, P = 1000, bm 32 and 64). The random routings alternate the two ways the kernel finds a
-sorted position's neighbours (tl.gather, or through memory); the skewed ones run both.
+empty, every expert used, the first and last expert only, int32 ids, P a power of two, P = 1000,
+bm 32 and 64). The random routings alternate the two ways the kernel finds a sorted position's
+neighbours (tl.gather, or through memory); the skewed ones run both.
 """
 
 from __future__ import annotations
