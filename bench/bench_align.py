@@ -1,8 +1,9 @@
 """Expert alignment: the torch ops (`moe_triton_v1.align_by_expert`) vs the one-launch Triton kernel
 (`moe_align.align_by_expert_triton`), CUDA-graph replays (do_bench medians), E=384, k=8.
 
-For each T and bm: both times, their ratio, whether the outputs are equal, and the Triton time at
-every num_warps (1 .. 16; the default picks by P) while the --budget lasts.
+For each T and bm: both times, their ratio, whether the outputs are equal, the time of the Triton
+fallback path (neighbours through memory, not tl.gather), and the Triton time at every num_warps
+(1 .. 16; the default picks by P) while the --budget lasts.
 
     python3 bench/bench_align.py --out $OUT/align.json
     python3 bench/bench_align.py --smoke      # CPU, Triton interpreter, tiny
@@ -43,9 +44,11 @@ def _case(t: int, k: int, e: int, bm: int, gen, sweep: bool) -> dict:
     equal = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     torch_ms = time_ms(lambda: align_by_expert(ids, e, bm))
     triton_ms = time_ms(lambda: align_by_expert_triton(ids, e, bm))
+    memory_ms = time_ms(lambda: align_by_expert_triton(ids, e, bm, gather=False))
     p2 = max(16, 1 << (t * k - 1).bit_length())
     rec = dict(T=t, P=t * k, E=e, k=k, bm=bm, equal=equal, torch_ms=torch_ms, triton_ms=triton_ms,
-               speedup=torch_ms / triton_ms, default_warps=_num_warps(p2))  # fmt: skip
+               speedup=torch_ms / triton_ms, triton_memory_ms=memory_ms,
+               default_warps=_num_warps(p2))  # fmt: skip
     if sweep:
         rec["triton_ms_by_warps"] = {
             w: time_ms(lambda w=w: align_by_expert_triton(ids, e, bm, num_warps=w)) for w in WARPS
@@ -53,6 +56,7 @@ def _case(t: int, k: int, e: int, bm: int, gen, sweep: bool) -> dict:
     print(
         f"T={t:5d} P={t * k:5d} bm={bm:2d} equal={equal} torch {torch_ms * 1e3:7.1f} us  "
         f"triton {triton_ms * 1e3:7.1f} us  x{torch_ms / triton_ms:5.1f}  "
+        f"(memory path {memory_ms * 1e3:7.1f} us)  "
         + " ".join(f"w{w}:{ms * 1e3:.1f}" for w, ms in rec.get("triton_ms_by_warps", {}).items()),
         flush=True,
     )
@@ -80,7 +84,10 @@ def main() -> None:
             sweep = not args.smoke and time.time() - t0 < args.budget
             results.append(_case(t, k, e, bm, gen, sweep))
     out = dict(env=environment(), bench="align", smoke=args.smoke, results=results)
+    from ddserve.kernels import moe_align
+
     out["all_equal"] = all(r["equal"] for r in results)
+    out["gather_error"] = moe_align.GATHER_ERROR  # None: the tl.gather kernel compiled and ran
     print(f"all equal: {out['all_equal']}  ({time.time() - t0:.0f} s)")
     write_json(args.out, out)
 

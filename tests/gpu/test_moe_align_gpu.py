@@ -1,9 +1,10 @@
 """One-launch Triton expert alignment == the torch `align_by_expert` on the GPU (CUDA only).
 
 Covers P = T * k from 1 to 8192 (every power-of-two bucket), E up to 512, bm 8 .. 64, every
-num_warps the bench may pick, skewed routings, and CUDA-graph capture + replay with new routings
-copied into the captured input (the pre-fill must be redone on every replay). Each test collects
-all mismatches and prints them before asserting, so one run tells everything.
+num_warps the bench may pick, both neighbour paths (tl.gather and through memory), skewed
+routings, and CUDA-graph capture + replay with new routings copied into the captured input (the
+pre-fill must be redone on every replay). Each test collects all mismatches and prints them before
+asserting, so one run tells everything.
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def test_random_routings_match_torch(e: int, bm: int) -> None:
             if k <= e and (msg := _mismatch(_topk(t, k, e, gen), e, bm)):
                 bad.append(f"T={t} k={k} E={e} bm={bm}: {msg}")
     _report(bad)
+
+
+@pytest.mark.parametrize("bm", [8, 16])
+def test_memory_neighbour_path_matches_torch(bm: int) -> None:
+    """The fallback kernel (neighbours through the output buffer instead of tl.gather)."""
+    gen = torch.Generator(device="cuda").manual_seed(bm)
+    bad = []
+    for t in TOKENS:
+        for k in TOPK:
+            if msg := _mismatch(_topk(t, k, 384, gen), 384, bm, gather=False):
+                bad.append(f"T={t} k={k} bm={bm} memory path: {msg}")
+    _report(bad)
+
+
+def test_gather_path_compiles_and_is_the_default() -> None:
+    """tl.gather explicitly (no fallback): an error here is the one the default path would log."""
+    from ddserve.kernels import moe_align
+
+    ids = _topk(1024, 8, 384, torch.Generator(device="cuda").manual_seed(5))
+    _report([f"gather path: {m}" for m in [_mismatch(ids, 384, 16, gather=True)] if m])
+    assert moe_align.GATHER_ERROR is None
 
 
 def test_skewed_routings_match_torch() -> None:
