@@ -115,7 +115,7 @@ def align_by_expert_triton(
             _align_kernel[(1,)](*args, **meta, GATHER=True)
             return sorted_pairs, block_expert
         except Exception as exc:  # noqa: BLE001 - compile failure: the memory path from now on
-            if torch.cuda.is_current_stream_capturing():
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise
             GATHER_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
             log.warning(
