@@ -36,7 +36,8 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+# the sizes are not specialized (divisible by 16, == 1): one compile per (P2, BM) bucket
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_blocks", "num_rows"])
 def _align_kernel(ids_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_blocks, num_rows,
                   BM: tl.constexpr, P2: tl.constexpr, FILL: tl.constexpr,
                   GATHER: tl.constexpr):  # fmt: skip
