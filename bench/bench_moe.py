@@ -28,19 +28,16 @@ RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T
 # (name, config, invariant), in priority order (a run out of budget drops the last ones)
 V2 = {"variant": "v2"}
 V3 = {"variant": "v3"}
-VARIANTS = [  # v2 default: pointer kernel, BN1=64 W1=8 SPLIT=4 KW1=16 SVEC MAXREG=128
-    ("v3", V3, True),  # Gluon, register-fed mma.sync: W=4 NREP=2 BM=16 SPLIT=8 NT=4 DEPTH=1
+VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwise the same bits)
+    ("v3", V3, True),
     ("v3-bm8", {**V3, "BM": 8}, True),
-    ("v3-d2", {**V3, "DEPTH": 2}, True),
-    ("v3-bm8-d2", {**V3, "BM": 8, "DEPTH": 2}, True),
-    ("v3-nrep4", {**V3, "NREP": 4}, True),
-    ("v3-nrep1", {**V3, "NREP": 1}, True),
-    ("v3-nrep1-d2", {**V3, "NREP": 1, "DEPTH": 2}, True),
-    ("v3-w8-nrep1", {**V3, "W": 8, "NREP": 1}, True),
-    ("v3-split4", {**V3, "SPLIT": 4}, True),
-    ("v3-split14", {**V3, "SPLIT": 14}, True),
-    ("v3-nt8", {**V3, "NT": 8}, True),
-    ("v3-nt2", {**V3, "NT": 2}, True),
+    ("v3-bm16", {**V3, "BM": 16}, True),
+    ("v3-bm32", {**V3, "BM": 32}, True),
+    ("v3-nt1", {**V3, "NT": 1}, True),
+    ("v3-nt4", {**V3, "NT": 4}, True),
+    ("v3-split8", {**V3, "SPLIT": 8}, True),  # round-1 default (different sums)
+    ("v3-split2", {**V3, "SPLIT": 2}, True),
+    ("v3-nrep1-bm32", {**V3, "NREP": 1, "BM": 32}, True),
     ("v2-inv", V2, True),  # the default (TMA)
     ("v2-inv-ptr", {**V2, "TMA": False}, True),  # round-2 default: pointer loads, 1-step prefetch
     ("v2-inv-tma2", {**V2, "TMA2": True}, True),  # + TMA down kernel, 4 column tiles / program
@@ -141,6 +138,7 @@ def main() -> None:
     ap.add_argument("--ablate", action="store_true", help="leave-one-stage-out runs at T=1,48,192")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     ap.add_argument("--budget", type=float, default=115.0, help="seconds for the kernel sweep")
+    ap.add_argument("--breakdown", action="store_true", help="kernel times of the first variant")
     ap.add_argument("--rep", type=int, default=40, help="do_bench milliseconds per timing")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -197,7 +195,9 @@ def main() -> None:
                 v3 = cfg.get("variant") == "v3"
                 launches = moe_v3.LAST_LAUNCH if v3 else moe_triton_v2.LAST_LAUNCH
                 r["launch"] = {n: dict(v) for n, v in launches.items()}
-                if args.ablate and name in ("full", "load_only"):
+                if (args.ablate and name in ("full", "load_only")) or (
+                    args.breakdown and name == todo[0][0]
+                ):
                     r["kernels_us"] = kernel_breakdown(call)
                     print(f"  kernels (us): {r['kernels_us']}")
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects

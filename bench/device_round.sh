@@ -29,6 +29,17 @@ case "${1:-check}" in
     [ -f bench/bench_align.py ] && timeout 60 python3 bench/bench_align.py --out "$OUT/align.json" 2>&1 \
       | tail -12 >>"$LOG"
     ;;
+  v3b)  # session 3 round 2: v3 as the default (BM/NT auto, SPLIT 4), every MoE GPU test, the
+        # variant sweep with kernel breakdown, and the K2.6 rank step (CUDA graphs) on v3
+    timeout 200 python3 -m pytest tests/gpu/test_moe_triton.py tests/gpu/test_moe_align_gpu.py -q \
+      -p no:cacheprovider -rf >"$OUT/pytest_moe.log" 2>&1; tail -25 "$OUT/pytest_moe.log" >>"$LOG"
+    grep -E "^T=.*(equal|BM|NT)" "$OUT/pytest_moe.log" | head -40 >>"$LOG"
+    (cd bench && timeout 150 python3 bench_moe.py --variants --budget 110 --no-torch --breakdown \
+      --out "$OUT/moe_v3b.json") 2>&1 | grep -v launch | tail -40 >>"$LOG"
+    OUT=/tmp/eng timeout 130 bash bench/run_engine_gpu.sh --batches 1,5,10 --budgets 16 --corrupt 0 \
+      --cuda-graphs --max-seconds 90 >/dev/null 2>&1; tail -14 /tmp/eng/engine.log >>"$LOG"
+    cp /tmp/eng/engine.json "$OUT/engine_v3.json" 2>/dev/null
+    ;;
   speed)
     (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
     (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"

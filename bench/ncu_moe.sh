@@ -4,7 +4,8 @@
 # (_up[_tma]_kernel, _silu_kernel, _down[_tma]_kernel, _combine_kernel; the 2nd and 4th are in
 # moe_reduce.py), printed as a compact text report
 # (<= 200 lines) to stdout and to $OUT/ncu_moe.txt (raw CSV in $OUT/ncu_moe.csv).
-# MOE_CONFIG='{"TMA": false}' (JSON) profiles that config instead of the default.
+# MOE_CONFIG='{"TMA": false}' (JSON) profiles that config instead of the default;
+# MOE_CONFIG='{"variant": "v3"}' the Gluon kernel (_w4_gemm_kernel, up then down).
 # Exits 2 within ~30 s with a clear message when ncu is missing or cannot read the GPU counters
 # (e.g. the gVisor runtime). Usage, from the repository root: bash bench/ncu_moe.sh   (< 90 s)
 set -u
@@ -69,7 +70,7 @@ EOF
 )
 CSV="$OUTDIR/ncu_moe.csv"
 T=$T timeout 75 "$NCU" --clock-control none --profile-from-start off \
-  -k 'regex:^_(up|silu|down|combine)(_tma)?_kernel' \
+  -k 'regex:^_(up|silu|down|combine|w4_gemm)(_tma)?_kernel' \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section LaunchStats --section Occupancy --csv --page details \
   python3 -c "$DRIVER" >"$CSV" 2>"$OUTDIR/ncu_moe.stderr"

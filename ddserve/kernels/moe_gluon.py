@@ -34,10 +34,11 @@ BK = gl.constexpr(128)  # K columns per step (4 scale groups of 32)
 
 @gluon.constexpr_function
 def _x_layout(W, BM):
-    """x tile [BM, BK] (columns 32 q + j): registers the 32 columns j of lane quad q, then token
-    bit 3; lanes q and token bits 0-2; every warp holds the whole tile (B of all its rows)."""
+    """x tile [BM, BK] (columns 32 q + j; BM in 8, 16, 32): registers the 32 columns j of lane
+    quad q, then token bits 3, 4; lanes q and token bits 0-2; every warp holds the whole tile
+    (the B operand of all its rows)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]] + ([[8, 0]] if BM == 16 else []),
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]] + [[m, 0] for m in (8, 16) if m < BM],
         lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[0, 0]] * (W.bit_length() - 1),
         block_bases=[],

@@ -1,7 +1,9 @@
 """W4A16 grouped MoE in Triton: the entry point `fused_moe` and its variants.
 
-Variants (pick with config={"variant": ...}; the other config keys go to the variant):
-- "v2" (default, `moe_triton_v2`): split-K up-projection, bf16x2 asm dequant on CUDA, and a
+Variants (pick with config={"variant": ...} or DDSERVE_MOE_VARIANT; the other config keys go to the
+variant). Default: "v3" for INT4 weights with bf16 scales on CUDA, "v2" otherwise (and "v2" from
+then on if v3 fails to compile: V3_ERROR says why).
+- "v2" (`moe_triton_v2`): split-K up-projection, bf16x2 asm dequant on CUDA, and a
   batch-invariant mode (fixed tiles, fixed-order sums, no atomics) when `invariant=True`.
 - "v1" (`moe_triton_v1`): the first kernel, kept for comparison; not batch invariant, so
   `invariant=True` never runs it unless the config names it explicitly.
@@ -11,17 +13,32 @@ Variants (pick with config={"variant": ...}; the other config keys go to the var
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert, fused_moe_v1
-from ddserve.kernels.moe_triton_v2 import fused_moe_v2
+from ddserve.kernels.moe_triton_v2 import _may_fall_back, fused_moe_v2
 from ddserve.kernels.moe_v3 import fused_moe_v3
 
-__all__ = ["DEFAULT_VARIANT", "VARIANTS", "_pick_bm", "align_by_expert", "fused_moe"]
+__all__ = ["VARIANTS", "_pick_bm", "align_by_expert", "default_variant", "fused_moe"]
 
+log = logging.getLogger(__name__)
 VARIANTS = {"v1": fused_moe_v1, "v2": fused_moe_v2, "v3": fused_moe_v3}
-DEFAULT_VARIANT = "v2"
+V3_ERROR: str | None = None  # set when v3 failed to compile or launch (then v2 from then on)
+
+
+def default_variant(x: torch.Tensor, weights: ExpertWeights) -> str:
+    """DDSERVE_MOE_VARIANT if set, else v3 where it applies (CUDA, INT4, bf16 scales), else v2."""
+    env = os.environ.get("DDSERVE_MOE_VARIANT")
+    if env:
+        if env not in VARIANTS:
+            raise ValueError(f"DDSERVE_MOE_VARIANT={env!r}: expected one of {sorted(VARIANTS)}")
+        return env
+    v3_ok = x.is_cuda and weights.is_int4 and weights.w13_scale.dtype == torch.bfloat16
+    return "v3" if v3_ok and V3_ERROR is None else "v2"
 
 
 def fused_moe(
@@ -36,6 +53,19 @@ def fused_moe(
     """`moe_ref`'s contract on CUDA (or the Triton interpreter); no host sync, graph capturable.
 
     `invariant`: token t's output row is bitwise the same whatever else is in the call."""
+    global V3_ERROR
     cfg = dict(config or {})
-    variant = cfg.pop("variant", DEFAULT_VARIANT)
-    return VARIANTS[variant](x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
+    variant = cfg.pop("variant", None)
+    explicit = variant is not None or bool(os.environ.get("DDSERVE_MOE_VARIANT"))
+    variant = variant or default_variant(x, weights)
+    if explicit or variant != "v3":
+        fn = VARIANTS[variant]
+        return fn(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
+    try:
+        return fused_moe_v3(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
+    except Exception as exc:  # noqa: BLE001 - e.g. Gluon unsupported by this GPU / triton build
+        if not _may_fall_back(exc):
+            raise
+        V3_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
+        log.warning("MoE v3 failed, using v2 from now on: %s", V3_ERROR)
+        return fused_moe_v2(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)

@@ -19,10 +19,15 @@ from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert_triton
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import align_by_expert
+from ddserve.kernels.moe_triton_v2 import _num_sms
 from ddserve.kernels.moe_w4_repack import Repacked, repack
 
-# fixed (batch invariance: per-token sums never depend on T); the bench overrides it
-CONFIG = dict(W=4, NREP=2, BM=16, SPLIT=8, NT=4, DEPTH=1)
+# SPLIT (the up projection's K split) and the 128-column K step fix each output's summation order:
+# they depend on the weight shapes only. The other keys only say which threads compute what (the
+# mma.sync of a token's column does not see the other columns), so "auto" picks them per call:
+# BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
+# W and NREP set the repacked layout (one stream per weights). The bench overrides any key.
+CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
 
@@ -51,6 +56,24 @@ def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def pick_bm(pairs: int, num_experts: int) -> int:
+    """Tokens per block: 8 while most touched experts get a few tokens (less padding in the MMA
+    and in x), 16 and 32 as they get more (an expert's weights are streamed once per block).
+    H200, K2.6 shapes (bench/results/moe_v3_round1_2026-11-30.json): BM 8 fastest up to 4
+    tokens per expert, even at 8, BM 16 ahead at 16."""
+    per_expert = pairs / num_experts
+    return 8 if per_expert <= 6 else 16 if per_expert <= 12 else 32
+
+
+def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
+    """Down-projection n-tiles per program: 4 (the x tile and prologue amortized) unless that
+    leaves fewer than two programs per SM (decode: few blocks)."""
+    for nt in (4, 2):
+        if n_tiles % nt == 0 and blocks * n_tiles // nt >= 2 * sms:
+            return nt
+    return 1
 
 
 def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cfg: dict, *,
@@ -104,7 +127,8 @@ def fused_moe_v3(
     topk = topk_ids.shape[1]
     p = t * topk
     num_experts = w13.words.shape[0]
-    bm = cfg["BM"]
+    bm = pick_bm(p, num_experts) if cfg["BM"] == "auto" else cfg["BM"]
+    cfg["BM"] = bm
     align = align_by_expert_triton if p <= MAX_PAIRS else align_by_expert
     sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
     nb = block_expert.numel()
@@ -121,7 +145,10 @@ def fused_moe_v3(
         SPLIT=split, BM=bm, BC=64,
     )  # fmt: skip
     y = torch.empty(p, hidden, dtype=torch.float32, device=dev)  # [P, H] weighted, per pair
-    nt = _largest_divisor(w2.n_tiles, cfg["NT"])
+    if cfg["NT"] == "auto":
+        nt = pick_nt(w2.n_tiles, nb, _num_sms(dev))
+    else:
+        nt = _largest_divisor(w2.n_tiles, cfg["NT"])
     _gemm(h, w2, y, sorted_pairs, block_expert, tw, p, nb, cfg, split=1, nt=nt, gather=False,
           down=True, topk=topk)  # fmt: skip
     out = torch.empty_like(x)

@@ -138,8 +138,9 @@ V2_CONFIGS = [
     dict(TMA2=True, BM=32),
 ]  # fmt: skip
 V3_CONFIGS = [
-    dict(BM=8), dict(NREP=1), dict(NREP=4), dict(W=8, NREP=1), dict(DEPTH=2), dict(SPLIT=4),
-    dict(SPLIT=1), dict(NT=1), dict(NT=8), dict(BM=8, DEPTH=2, NREP=4),
+    dict(BM=8), dict(BM=16), dict(BM=32), dict(NREP=1), dict(NREP=4), dict(W=8, NREP=1),
+    dict(DEPTH=2), dict(SPLIT=8), dict(SPLIT=1), dict(NT=1), dict(NT=8),
+    dict(BM=8, DEPTH=2, NREP=4),
 ]  # fmt: skip
 
 
@@ -314,3 +315,45 @@ def test_backend_picks_triton_on_cuda():
     fn = backend.moe("cuda")  # may be a functools.wraps wrapper around the kernel
     fn = getattr(fn, "__wrapped__", fn)
     assert fn is fused_moe or fn.__module__.endswith("marlin")
+
+
+def test_v3_thread_layout_configs_are_bitwise_the_default():
+    """v3's BM, NT, DEPTH, NREP and W only change which threads compute which outputs, not any
+    sum's order (that is why BM and NT may be picked per call): at fixed SPLIT every such config
+    gives the default's bits, at T = 1, 48, 200 (K2.6 shapes). Every pair is printed first."""
+    from ddserve.kernels.moe_triton import fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(21)
+    configs = [dict(BM=8), dict(BM=16), dict(BM=32), dict(NT=1), dict(NT=2), dict(NT=8),
+               dict(DEPTH=2), dict(BM=8, DEPTH=2), dict(NREP=1), dict(NREP=4),
+               dict(W=8, NREP=1)]  # fmt: skip
+    bad = []
+    for t in (1, 48, 200):
+        x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
+        ids, tw = random_routing(t, 384, 8, gen)
+        ref = fused_moe(x, ids, tw, w, config={"variant": "v3"})
+        for c in configs:
+            out = fused_moe(x, ids, tw, w, config={"variant": "v3", **c})
+            diff = (out.float() - ref.float()).abs().max().item()
+            line = f"T={t} {c}: equal {torch.equal(out, ref)} max diff {diff:.3e}"
+            print(line)
+            if not torch.equal(out, ref):
+                bad.append(line)
+    assert not bad, "\n".join(bad)
+
+
+def test_default_variant_is_v3_for_int4_on_cuda():
+    """No variant named: INT4 weights with bf16 scales on CUDA run v3 (bitwise the explicit call);
+    V3_ERROR stays None (no fallback to v2 happened)."""
+    from ddserve.kernels import moe_triton
+    from ddserve.kernels.moe_triton import default_variant, fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(30, 7168, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = random_routing(30, 384, 8, gen)
+    assert default_variant(x, w) == "v3"
+    out = fused_moe(x, ids, tw, w, invariant=True)
+    assert moe_triton.V3_ERROR is None
+    assert torch.equal(out, fused_moe(x, ids, tw, w, config={"variant": "v3"}))
