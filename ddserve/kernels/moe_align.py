@@ -27,6 +27,11 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 MAX_PAIRS = 8192  # the MoE chunks its calls at 1024 tokens x top-8
+# The MoE uses this kernel up to FAST_PAIRS pairs and the torch ops past it: its one-CTA sort
+# grows faster than they do (H200, E = 384, CUDA graphs: 1.4-11 us up to 768 pairs, 23 us at
+# 1536 vs torch's 86 us, 93 us at 3072 vs 91 us, 229 us at 6144 vs 132 us;
+# bench/results/moe_v3_round2_2026-11-30.json, kernel breakdown of the v3 rows).
+FAST_PAIRS = 2048
 _FILL = 1024  # rows pre-filled per loop step
 GATHER_ERROR: str | None = None  # set when the tl.gather kernel failed to compile on this device
 

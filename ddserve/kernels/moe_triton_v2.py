@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert_triton
+from ddserve.kernels.moe_align import FAST_PAIRS, align_by_expert_triton
 from ddserve.kernels.moe_gemv import _up_gemv_kernel
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
@@ -333,7 +333,7 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     p = t * topk
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     bm, split, kw1 = cfg["BM"], cfg["SPLIT"], cfg["KW1"]
-    one_launch = (x.is_cuda or interp) and p <= MAX_PAIRS  # else the torch ops
+    one_launch = (x.is_cuda or interp) and p <= FAST_PAIRS  # else the torch ops
     align = align_by_expert_triton if one_launch else align_by_expert
     sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
     nb = block_expert.numel()

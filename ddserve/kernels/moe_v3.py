@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert_triton
+from ddserve.kernels.moe_align import FAST_PAIRS, align_by_expert_triton
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import align_by_expert
@@ -60,11 +60,10 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 def pick_bm(pairs: int, num_experts: int) -> int:
     """Tokens per block: 8 while most touched experts get a few tokens (less padding in the MMA
-    and in x), 16 and 32 as they get more (an expert's weights are streamed once per block).
-    H200, K2.6 shapes (bench/results/moe_v3_round1_2026-11-30.json): BM 8 fastest up to 4
-    tokens per expert, even at 8, BM 16 ahead at 16."""
-    per_expert = pairs / num_experts
-    return 8 if per_expert <= 6 else 16 if per_expert <= 12 else 32
+    and in x), 16 past that (an expert's weights are streamed once per block). H200, K2.6
+    shapes (bench/results/moe_v3_round2_2026-11-30.json): BM 8 fastest up to 4 tokens per
+    expert, even at 8, BM 16 ahead at 16 (947 us vs 1043 for 8 and 1071 for 32)."""
+    return 8 if pairs / num_experts <= 6 else 16
 
 
 def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
@@ -129,7 +128,7 @@ def fused_moe_v3(
     num_experts = w13.words.shape[0]
     bm = pick_bm(p, num_experts) if cfg["BM"] == "auto" else cfg["BM"]
     cfg["BM"] = bm
-    align = align_by_expert_triton if p <= MAX_PAIRS else align_by_expert
+    align = align_by_expert_triton if p <= FAST_PAIRS else align_by_expert
     sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
     nb = block_expert.numel()
     xin = x.to(torch.bfloat16).contiguous()  # [T, H]
