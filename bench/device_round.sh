@@ -40,6 +40,18 @@ case "${1:-check}" in
       --cuda-graphs --max-seconds 90 >/dev/null 2>&1; tail -14 /tmp/eng/engine.log >>"$LOG"
     cp /tmp/eng/engine.json "$OUT/engine_v3.json" 2>/dev/null
     ;;
+  v3c)  # session 3 round 3: the rest of the GPU suite with v3 as the MoE default (+ the in-place
+        # repack test), the K2.6 rank step on v3 (experts repacked in place), serving on 2 GPUs
+    timeout 230 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "not (test_moe_triton or test_moe_align) or in_place or default_variant" \
+      >"$OUT/pytest_rest.log" 2>&1; tail -12 "$OUT/pytest_rest.log" >>"$LOG"
+    OUT=/tmp/eng timeout 150 bash bench/run_engine_gpu.sh --batches 1,5,10 --budgets 16 --corrupt 0 \
+      --cuda-graphs --max-seconds 100 >/dev/null 2>&1; tail -14 /tmp/eng/engine.log >>"$LOG"
+    cp /tmp/eng/engine.json "$OUT/engine_v3.json" 2>/dev/null
+    mkdir -p /tmp/serve && SERVE_ARGS="--cuda-graphs" OUT=/tmp/serve timeout 120 \
+      bash bench/gpu_serve_check.sh 2>&1 | tail -10 >>"$LOG"
+    cp /tmp/serve/load_gpu.json "$OUT/serve_load_v3.json" 2>/dev/null
+    ;;
   speed)
     (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
     (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"

@@ -66,3 +66,42 @@ def test_kernel_program_computes_the_product() -> None:
     b = x[:, _kernel_b_phys()].t()  # [BK, BM] logical
     assert torch.allclose(a @ b, dense @ x.t(), rtol=1e-12, atol=1e-12)
     assert not torch.allclose(a, dense)  # the logical order really is a permutation
+
+
+def test_repack_in_place_overwrites_and_decodes() -> None:
+    """In place: the original tensors hold the stream afterwards (no copy), `ExpertWeights.expert`
+    and the torch reference decode it, and a later load into the tensors clears the mark."""
+    from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
+    from ddserve.kernels.moe_w4_repack import in_place_config, repack_in_place
+
+    torch.manual_seed(2)
+    e, h, i = 3, 256, 128
+    p13, s13 = quantize_int4(torch.randn(e, 2 * i, h).to(torch.bfloat16))
+    p2, s2 = quantize_int4(torch.randn(e, h, i).to(torch.bfloat16))
+    plain = ExpertWeights(w13_packed=p13.clone(), w13_scale=s13.clone(), w2_packed=p2.clone(),
+                          w2_scale=s2.clone())  # fmt: skip
+    w = ExpertWeights(w13_packed=p13, w13_scale=s13, w2_packed=p2, w2_scale=s2,
+                      repack_in_place=True)  # fmt: skip
+    ptr = p13.data_ptr()
+    r = repack_in_place(p13, s13, 4, 2)
+    repack_in_place(p2, s2, 4, 2)
+    assert r.words.data_ptr() == ptr and in_place_config(p13) == (4, 2)
+    assert not torch.equal(p13, plain.w13_packed)  # really overwritten
+    assert torch.equal(decode(r), dequantize_int4(plain.w13_packed, plain.w13_scale))
+    for ex in range(e):
+        for a, b in zip(w.expert(ex, torch.float32), plain.expert(ex, torch.float32), strict=True):
+            assert torch.equal(a, b)
+    x = torch.randn(5, h).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    tw = torch.rand(5, 2)
+    assert torch.equal(moe_ref(x, ids, tw, w), moe_ref(x, ids, tw, plain))
+    p13.copy_(plain.w13_packed)  # a weight load: the tensor is plain again
+    assert in_place_config(p13) is None
+
+
+def test_repack_in_place_refuses_padding_shapes() -> None:
+    from ddserve.kernels.moe_w4_repack import repack_in_place
+
+    packed, scale = quantize_int4(torch.randn(1, 96, 128).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="in-place repack needs"):
+        repack_in_place(packed, scale, 4, 2)

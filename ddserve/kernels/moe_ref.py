@@ -58,6 +58,9 @@ class ExpertWeights:
     Dense: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
     INT4:  w13_packed [E, 2I, H/8] int32, w13_scale [E, 2I, H/32], w2_packed [E, H, I/8],
            w2_scale [E, H, I/32].
+    repack_in_place: the owner lets the v3 MoE kernel overwrite the INT4 tensors with its own
+    stream layout (`moe_w4_repack.repack_in_place`, same sizes) instead of keeping a copy; after
+    that `expert` decodes the stream and only v3 and the torch reference can read them.
     """
 
     w13: torch.Tensor | None = None
@@ -66,6 +69,7 @@ class ExpertWeights:
     w13_scale: torch.Tensor | None = None
     w2_packed: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    repack_in_place: bool = False
 
     @property
     def is_int4(self) -> bool:
@@ -78,6 +82,13 @@ class ExpertWeights:
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
         if self.is_int4:
+            from ddserve.kernels.moe_w4_repack import as_stream, decode_expert, in_place_config
+
+            if in_place_config(self.w13_packed) is not None:  # the v3 stream, written in place
+                return (
+                    decode_expert(as_stream(self.w13_packed, self.w13_scale), e, dtype),
+                    decode_expert(as_stream(self.w2_packed, self.w2_scale), e, dtype),
+                )
             return (
                 dequantize_int4(self.w13_packed[e], self.w13_scale[e], dtype),
                 dequantize_int4(self.w2_packed[e], self.w2_scale[e], dtype),

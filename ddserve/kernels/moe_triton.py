@@ -22,6 +22,7 @@ from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert, fused_moe_v1
 from ddserve.kernels.moe_triton_v2 import _may_fall_back, fused_moe_v2
 from ddserve.kernels.moe_v3 import fused_moe_v3
+from ddserve.kernels.moe_w4_repack import in_place_config
 
 __all__ = ["VARIANTS", "_pick_bm", "align_by_expert", "default_variant", "fused_moe"]
 
@@ -58,7 +59,14 @@ def fused_moe(
     variant = cfg.pop("variant", None)
     explicit = variant is not None or bool(os.environ.get("DDSERVE_MOE_VARIANT"))
     variant = variant or default_variant(x, weights)
-    if explicit or variant != "v3":
+    in_place = weights.is_int4 and in_place_config(weights.w13_packed) is not None
+    if in_place and variant != "v3":
+        raise RuntimeError(
+            f"MoE {variant}: these experts were repacked in place for v3 (the model's own weights "
+            "on CUDA); only v3 and the torch reference read them. Set DDSERVE_MOE_VARIANT before "
+            "the first forward to keep the original layout."
+        )
+    if explicit or variant != "v3" or in_place:
         fn = VARIANTS[variant]
         return fn(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
     try:

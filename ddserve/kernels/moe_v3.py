@@ -5,9 +5,9 @@ Same contract as `moe_ref` / `fused_moe_v2`, INT4 weights with bf16 scales on an
 config depends only on the weight shapes, every sum runs in a fixed order (K steps, then the
 SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`), no atomics.
 
-The repacked weights are made on first use and cached with the weight tensors (`prepare`): an
-extra copy of the expert weights, next to the compressed-tensors originals that the other
-variants and the torch reference read.
+The repacked weights are made on first use (`prepare`): written over the original tensors when
+their owner allows it (the model's experts: `ExpertWeights.repack_in_place`), else a cached copy
+next to the compressed-tensors originals that the other variants read.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import align_by_expert
 from ddserve.kernels.moe_triton_v2 import _num_sms
-from ddserve.kernels.moe_w4_repack import Repacked, repack
+from ddserve.kernels.moe_w4_repack import (
+    Repacked,
+    as_stream,
+    fits_in_place,
+    in_place_config,
+    repack,
+    repack_in_place,
+)
 
 # SPLIT (the up projection's K split) and the 128-column K step fix each output's summation order:
 # they depend on the weight shapes only. The other keys only say which threads compute what (the
@@ -33,13 +40,30 @@ LAST_LAUNCH: dict[str, dict] = {}
 
 
 def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked, Repacked]:
-    """The (w13, w2) streams for this tile config, made once per weight tensors: cached as an
-    attribute of the w13 packed tensor (its lifetime), keyed by the tensors' in-place versions
-    (a weight load after the first call repacks again). `ExpertWeights` itself is rebuilt per
-    forward by the model, so it cannot hold the cache."""
+    """The (w13, w2) streams for this tile config.
+
+    `weights.repack_in_place` (the model's own experts): written over the original tensors once
+    (`repack_in_place`), no extra memory. Otherwise a copy, made once per weight tensors and
+    cached as an attribute of the w13 packed tensor (its lifetime), keyed by the tensors'
+    in-place versions (a weight load after the first call repacks again); `ExpertWeights` itself
+    is rebuilt per forward by the model, so it cannot hold the cache."""
     if not weights.is_int4:
         raise ValueError("MoE v3 needs INT4 weights")
     tensors = (weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale)
+    done = in_place_config(weights.w13_packed)
+    if done is not None:
+        if done != (w, nrep):
+            raise ValueError(
+                f"experts were repacked in place for (W, NREP) = {done}, not {(w, nrep)}"
+            )
+        return as_stream(*tensors[:2]), as_stream(*tensors[2:])
+    if weights.repack_in_place and all(
+        fits_in_place(t, w, nrep) for t in (weights.w13_packed, weights.w2_packed)
+    ):  # (else, e.g. tiny test models, a padded copy)
+        return (
+            repack_in_place(weights.w13_packed, weights.w13_scale, w, nrep),
+            repack_in_place(weights.w2_packed, weights.w2_scale, w, nrep),
+        )
     key = (w, nrep, *(t._version for t in tensors), *(t.data_ptr() for t in tensors))
     cache = getattr(weights.w13_packed, "_ddserve_v3", None)
     if cache is None:

@@ -159,18 +159,75 @@ def repack(
 
 
 def decode(r: Repacked, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The repacked stream back to dense [E, N, K] weights (for tests)."""
+    """The repacked stream back to dense [E, N, K] weights, on the stream's device."""
     maps = kernel_maps(r.w, r.nrep)
+    dev = r.words.device
     e = r.words.shape[0]
     bn, nt, ks = r.bn, r.n_tiles, r.k_steps
     nw, ns = maps.word_row.shape[0], maps.scale_row.shape[0]
-    shifts = torch.arange(PACK, dtype=torch.int64) * 4
-    words = r.words.cpu().to(torch.int64).reshape(e, nt, ks, nw)
+    wr, wc = maps.word_row.to(dev), maps.word_col.to(dev)
+    sr, sg = maps.scale_row.to(dev), maps.scale_group.to(dev)
+    shifts = torch.arange(PACK, dtype=torch.int64, device=dev) * 4
+    words = r.words.to(torch.int64).reshape(e, nt, ks, nw)
     nib = (words.unsqueeze(-1) >> shifts) & 0xF  # [E, NT, KS, NW, 8]
-    q = torch.zeros(e, nt, ks, bn, BK, dtype=torch.int64)
-    q[:, :, :, maps.word_row, maps.word_col] = nib - 8
-    s = torch.zeros(e, nt, ks, bn, 4, dtype=torch.float32)
-    s[:, :, :, maps.scale_row, maps.scale_group] = r.scales.cpu().float().reshape(e, nt, ks, ns)
+    q = torch.zeros(e, nt, ks, bn, BK, dtype=torch.int64, device=dev)
+    q[:, :, :, wr, wc] = nib - 8
+    s = torch.zeros(e, nt, ks, bn, 4, dtype=torch.float32, device=dev)
+    s[:, :, :, sr, sg] = r.scales.float().reshape(e, nt, ks, ns)
     dense = q.to(torch.float32) * s.repeat_interleave(GROUP, dim=-1)  # [E, NT, KS, BN, BK]
     dense = dense.permute(0, 1, 3, 2, 4).reshape(e, nt * bn, ks * BK)
     return dense[:, : r.n, : r.k].to(dtype)
+
+
+def decode_expert(r: Repacked, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expert e of the stream as dense [N, K] weights."""
+    one = Repacked(r.words[e : e + 1], r.scales[e : e + 1], r.n, r.k, r.w, r.nrep)
+    return decode(one, dtype)[0]
+
+
+MARK = "_ddserve_v3_stream"  # attribute on tensors repacked in place: (w, nrep, tensor version)
+
+
+def in_place_config(t: torch.Tensor) -> tuple[int, int] | None:
+    """(w, nrep) if `t` holds a stream written in place and not overwritten since, else None."""
+    mark = getattr(t, MARK, None)
+    if mark is None or mark[2] != t._version:
+        return None
+    return mark[0], mark[1]
+
+
+def fits_in_place(packed: torch.Tensor, w: int = 4, nrep: int = 2) -> bool:
+    """Whether the stream has exactly the original's size (no padding) and can overwrite it."""
+    _, n, kw = packed.shape
+    return n % (16 * w * nrep) == 0 and (kw * PACK) % BK == 0 and packed.is_contiguous()
+
+
+def repack_in_place(
+    packed: torch.Tensor, scale: torch.Tensor, w: int = 4, nrep: int = 2, chunk: int = 8
+) -> Repacked:
+    """`repack` written over the compressed-tensors tensors themselves (the stream has the same
+    number of words and scales when N and K are multiples of the tile): no second copy of the
+    experts. Afterwards the tensors hold the stream (`in_place_config` says so; `decode` reads
+    them); a later load into them (which bumps their version) makes them plain tensors again."""
+    e, n, kw = packed.shape
+    bn = 16 * w * nrep
+    if not (fits_in_place(packed, w, nrep) and scale.is_contiguous()):
+        raise ValueError(f"in-place repack needs contiguous [E, N, K] with N % {bn} == 0 and "
+                         f"K % {BK} == 0, got {tuple(packed.shape)} words")  # fmt: skip
+    flat_w, flat_s = packed.view(e, -1), scale.view(e, -1)
+    for e0 in range(0, e, chunk):
+        r = repack(packed[e0 : e0 + chunk], scale[e0 : e0 + chunk], w, nrep, chunk)
+        flat_w[e0 : e0 + chunk].copy_(r.words)
+        flat_s[e0 : e0 + chunk].copy_(r.scales)
+    for t in (packed, scale):
+        setattr(t, MARK, (w, nrep, t._version))
+    return Repacked(flat_w, flat_s, n, kw * PACK, w, nrep)
+
+
+def as_stream(packed: torch.Tensor, scale: torch.Tensor) -> Repacked:
+    """The stream view of tensors `repack_in_place` wrote."""
+    cfg = in_place_config(packed)
+    if cfg is None or in_place_config(scale) != cfg:
+        raise ValueError("these tensors do not hold a repacked stream")
+    e, n, kw = packed.shape
+    return Repacked(packed.view(e, -1), scale.view(e, -1), n, kw * PACK, *cfg)

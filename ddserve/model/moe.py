@@ -100,6 +100,7 @@ class RoutedExperts(nn.Module):
                 w13_scale=self.w13_scale,
                 w2_packed=self.w2_packed,
                 w2_scale=self.w2_scale,
+                repack_in_place=True,  # the v3 MoE kernel may overwrite them with its stream
             )
         return ExpertWeights(w13=self.w13, w2=self.w2)
 

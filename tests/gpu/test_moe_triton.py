@@ -357,3 +357,36 @@ def test_default_variant_is_v3_for_int4_on_cuda():
     out = fused_moe(x, ids, tw, w, invariant=True)
     assert moe_triton.V3_ERROR is None
     assert torch.equal(out, fused_moe(x, ids, tw, w, config={"variant": "v3"}))
+
+
+def test_v3_in_place_repack_is_the_copy_path_without_the_copy():
+    """The model's experts (`repack_in_place=True`, K2.6 shapes): v3 overwrites them with its
+    stream (allocated memory does not grow by the ~1.2 GB a copy takes), gives bitwise the copy
+    path's output, the torch reference still reads them (decoding), and v2 refuses them."""
+    from ddserve.kernels.moe_triton import fused_moe
+    from ddserve.kernels.moe_w4_repack import in_place_config
+
+    src = k26_experts()
+    w = ExpertWeights(
+        w13_packed=src.w13_packed.clone(), w13_scale=src.w13_scale.clone(),
+        w2_packed=src.w2_packed.clone(), w2_scale=src.w2_scale.clone(), repack_in_place=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(40, 7168, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = random_routing(40, 384, 8, gen)
+    copy_out = fused_moe(x, ids, tw, src, config={"variant": "v3"})
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = fused_moe(x, ids, tw, w, invariant=True)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    print(f"in-place: allocated grew {grown / 2**20:.1f} MiB; equal to copy path "
+          f"{torch.equal(out, copy_out)}")  # fmt: skip
+    assert in_place_config(w.w13_packed) == (4, 2) and in_place_config(w.w2_packed) == (4, 2)
+    assert grown < 256 * 2**20
+    assert torch.equal(out, copy_out)
+    assert torch.equal(fused_moe(x, ids, tw, w), out)  # later calls reuse the stream
+    few = ids[:3] % 8  # the reference decodes experts 0..7 only (fast)
+    assert rel_err(moe_ref(x[:3], few, tw[:3], w), moe_ref(x[:3], few, tw[:3], src)) == 0.0
+    with pytest.raises(RuntimeError, match="repacked in place"):
+        fused_moe(x, ids, tw, w, config={"variant": "v2"}, invariant=True)
