@@ -1,7 +1,8 @@
 """Variant "v2" of the W4A16 grouped MoE: split-K up-projection, optional bf16x2 asm dequant, and a
 batch-invariant mode. Same INT4 layout and grouping as v1 (`moe_triton_v1`, no repack).
 
-Launches after `align_by_expert` (torch ops, no host sync):
+Launches after the expert alignment (`moe_align`: one Triton launch up to 2048 pairs, else the
+torch ops of `align_by_expert`; no host sync):
 
 1. up:      part[s, r] = x_t @ W13_e[:, K-split s]^T (fp32), SPLIT programs per (block, columns),
             each walking K / SPLIT columns (more loads in flight when few experts are touched).
