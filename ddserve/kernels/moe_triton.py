@@ -72,8 +72,8 @@ def fused_moe(
     try:
         return fused_moe_v3(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
     except Exception as exc:  # noqa: BLE001 - e.g. Gluon unsupported by this GPU / triton build
-        if not _may_fall_back(exc):
-            raise
+        if not _may_fall_back(exc) or in_place_config(weights.w13_packed) is not None:
+            raise  # (v2 cannot read experts that the failed call already rewrote in place)
         V3_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
         log.warning("MoE v3 failed, using v2 from now on: %s", V3_ERROR)
         return fused_moe_v2(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)

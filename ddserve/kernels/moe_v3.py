@@ -60,6 +60,8 @@ def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked
     if weights.repack_in_place and all(
         fits_in_place(t, w, nrep) for t in (weights.w13_packed, weights.w2_packed)
     ):  # (else, e.g. tiny test models, a padded copy)
+        _not_capturing()
+        _compiles(weights, w, nrep)  # before the originals are gone (v2 could not read them)
         return (
             repack_in_place(weights.w13_packed, weights.w13_scale, w, nrep),
             repack_in_place(weights.w2_packed, weights.w2_scale, w, nrep),
@@ -70,12 +72,35 @@ def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked
         cache = {}
         weights.w13_packed._ddserve_v3 = cache
     if key not in cache:
+        _not_capturing()
         cache.clear()  # one config at a time per tensor (the bench sweeps configs in sequence)
         cache[key] = (
             repack(weights.w13_packed, weights.w13_scale, w, nrep),
             repack(weights.w2_packed, weights.w2_scale, w, nrep),
         )
     return cache[key]
+
+
+def _compiles(weights: ExpertWeights, w: int, nrep: int) -> None:
+    """One token through a copy of expert 0 with these tiles: a GPU or Triton build that cannot
+    run the Gluon kernel fails here, while the caller can still fall back to v2."""
+    one = ExpertWeights(
+        w13_packed=weights.w13_packed[:1].clone(), w13_scale=weights.w13_scale[:1].clone(),
+        w2_packed=weights.w2_packed[:1].clone(), w2_scale=weights.w2_scale[:1].clone(),
+    )  # fmt: skip
+    dev = weights.w13_packed.device
+    x = torch.zeros(1, weights.w13_packed.shape[2] * 8, dtype=torch.bfloat16, device=dev)
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=dev)
+    fused_moe_v3(x, ids, torch.ones(1, 1, device=dev), one, config=dict(W=w, NREP=nrep))
+    torch.cuda.synchronize(dev)
+
+
+def _not_capturing() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "MoE v3: the experts' stream must be made before CUDA-graph capture (run one eager "
+            "forward first, as the engine's warm-up does); a captured repack would rerun per replay"
+        )
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
