@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,10 +75,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, help="prefill forward size in tokens (2048)")
     ap.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (1024 MiB)")
     ap.add_argument("--graph-reps", type=int, default=5, help="CUDA-graph replays (0: off)")
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="run the engine itself with CUDA-graph replay (EngineConfig.cuda_graphs)")
-    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                    help="batch-invariant kernels (EngineConfig.batch_invariant, default on)")
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="run the engine itself with CUDA-graph replay (EngineConfig.cuda_graphs)",
+    )
+    ap.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch-invariant kernels (EngineConfig.batch_invariant, default on)",
+    )
     skip = "start no configuration past this many seconds (recorded as skipped)"
     ap.add_argument("--max-seconds", type=float, default=240.0, help=skip)
     ap.add_argument("--seed", type=int, default=0)
@@ -144,9 +152,28 @@ def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
         model=dict(config=raw, weight_bytes=parameter_bytes(model), init=INIT),
         prefill=dict(tokens=bench.prefill_tokens, seconds=bench.prefill_s,
                      tokens_per_s=bench.prefill_tokens / bench.prefill_s),
-        ar=[], ddtree=[], skipped=[], errors=[],
+        ar=[], ddtree=[], skipped=[], errors=[], moe=moe_backend(model),
     )  # fmt: skip
     return bench, report
+
+
+def moe_backend(model) -> dict:
+    """Which MoE kernel ran the prefill: v3 leaves the experts rewritten in place, and a v3
+    failure is in moe_triton.V3_ERROR (then v2 ran)."""
+    from ddserve.kernels import moe_triton
+    from ddserve.kernels.moe_w4_repack import in_place_config
+
+    rewritten = [
+        in_place_config(m.w13_packed) is not None
+        for m in model.modules()
+        if getattr(m, "int4", False) and hasattr(m, "w13_packed")
+    ]
+    return dict(
+        layers_int4=len(rewritten),
+        layers_rewritten_for_v3=sum(rewritten),
+        v3_error=moe_triton.V3_ERROR,
+        env_variant=os.environ.get("DDSERVE_MOE_VARIANT"),
+    )
 
 
 def guarded(report: dict, out: str | None, deadline: float, what: dict, fn) -> dict | None:

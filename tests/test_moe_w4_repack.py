@@ -105,3 +105,49 @@ def test_repack_in_place_refuses_padding_shapes() -> None:
     packed, scale = quantize_int4(torch.randn(1, 96, 128).to(torch.bfloat16))
     with pytest.raises(ValueError, match="in-place repack needs"):
         repack_in_place(packed, scale, 4, 2)
+
+
+def test_interrupted_in_place_repack_resumes(monkeypatch) -> None:
+    """An in-place rewrite that fails part way (here: the third expert) leaves a mark of the
+    experts done; the next call resumes there, so no expert is permuted twice."""
+    from ddserve.kernels import moe_w4_repack as m
+
+    torch.manual_seed(3)
+    packed, scale = quantize_int4(torch.randn(4, 128, 256).to(torch.bfloat16))
+    want = dequantize_int4(packed, scale)
+    real, calls = m.repack, []
+
+    def failing(p, s, w, nrep, chunk):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return real(p, s, w, nrep, chunk)
+
+    monkeypatch.setattr(m, "repack", failing)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        m.repack_in_place(packed, scale, 4, 2)
+    assert m.in_place_started(packed) and m.in_place_config(packed) is None
+    with pytest.raises(ValueError, match="interrupted"):
+        m.as_stream(packed, scale)
+    monkeypatch.setattr(m, "repack", real)
+    r = m.repack_in_place(packed, scale, 4, 2)
+    assert m.in_place_config(packed) == (4, 2)
+    assert torch.equal(decode(r), want)
+
+
+def test_in_place_experts_refuse_other_variants_on_cpu() -> None:
+    """After an in-place rewrite the Triton v2 path (the CPU / interpreter default) refuses the
+    tensors with a clear error instead of reading the stream as compressed-tensors words."""
+    from ddserve.kernels.moe_ref import ExpertWeights
+    from ddserve.kernels.moe_triton import fused_moe
+    from ddserve.kernels.moe_w4_repack import repack_in_place
+
+    p13, s13 = quantize_int4(torch.randn(2, 256, 128).to(torch.bfloat16))
+    p2, s2 = quantize_int4(torch.randn(2, 128, 128).to(torch.bfloat16))
+    repack_in_place(p13, s13, 4, 2)
+    repack_in_place(p2, s2, 4, 2)
+    w = ExpertWeights(w13_packed=p13, w13_scale=s13, w2_packed=p2, w2_scale=s2)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    ids = torch.tensor([[0], [1], [0]])
+    with pytest.raises(RuntimeError, match="repacked in place"):
+        fused_moe(x, ids, torch.ones(3, 1), w)

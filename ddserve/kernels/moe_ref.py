@@ -82,9 +82,10 @@ class ExpertWeights:
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
         if self.is_int4:
-            from ddserve.kernels.moe_w4_repack import as_stream, decode_expert, in_place_config
+            # (imported here: moe_w4_repack imports this module's PACK and GROUP)
+            from ddserve.kernels.moe_w4_repack import as_stream, decode_expert, in_place_started
 
-            if in_place_config(self.w13_packed) is not None:  # the v3 stream, written in place
+            if in_place_started(self.w13_packed):  # the v3 stream, written in place
                 return (
                     decode_expert(as_stream(self.w13_packed, self.w13_scale), e, dtype),
                     decode_expert(as_stream(self.w2_packed, self.w2_scale), e, dtype),

@@ -22,7 +22,7 @@ from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert, fused_moe_v1
 from ddserve.kernels.moe_triton_v2 import _may_fall_back, fused_moe_v2
 from ddserve.kernels.moe_v3 import fused_moe_v3
-from ddserve.kernels.moe_w4_repack import in_place_config
+from ddserve.kernels.moe_w4_repack import in_place_started
 
 __all__ = ["VARIANTS", "_pick_bm", "align_by_expert", "default_variant", "fused_moe"]
 
@@ -51,15 +51,16 @@ def fused_moe(
     config: dict | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """`moe_ref`'s contract on CUDA (or the Triton interpreter); no host sync, graph capturable.
+    """`moe_ref`'s contract on CUDA (or the Triton interpreter); no host sync and graph capturable
+    from the second call on (v3's first call per weights makes their stream and syncs).
 
     `invariant`: token t's output row is bitwise the same whatever else is in the call."""
     global V3_ERROR
     cfg = dict(config or {})
     variant = cfg.pop("variant", None)
     explicit = variant is not None or bool(os.environ.get("DDSERVE_MOE_VARIANT"))
-    variant = variant or default_variant(x, weights)
-    in_place = weights.is_int4 and in_place_config(weights.w13_packed) is not None
+    in_place = weights.is_int4 and in_place_started(weights.w13_packed)
+    variant = variant or ("v3" if in_place and x.is_cuda else default_variant(x, weights))
     if in_place and variant != "v3":
         raise RuntimeError(
             f"MoE {variant}: these experts were repacked in place for v3 (the model's own weights "
@@ -72,7 +73,7 @@ def fused_moe(
     try:
         return fused_moe_v3(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
     except Exception as exc:  # noqa: BLE001 - e.g. Gluon unsupported by this GPU / triton build
-        if not _may_fall_back(exc) or in_place_config(weights.w13_packed) is not None:
+        if not _may_fall_back(exc) or in_place_started(weights.w13_packed):
             raise  # (v2 cannot read experts that the failed call already rewrote in place)
         V3_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
         log.warning("MoE v3 failed, using v2 from now on: %s", V3_ERROR)

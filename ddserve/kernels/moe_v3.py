@@ -1,9 +1,10 @@
 """Host side of the W4A16 MoE variant "v3" (`moe_gluon` kernel, `moe_w4_repack` weight stream).
 
-Same contract as `moe_ref` / `fused_moe_v2`, INT4 weights with bf16 scales on an sm_80+ GPU only
-(Gluon kernels do not run in the Triton interpreter). Batch invariant by construction: the tile
-config depends only on the weight shapes, every sum runs in a fixed order (K steps, then the
-SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`), no atomics.
+Same contract as `moe_ref` / `fused_moe_v2`, INT4 weights with bf16 scales on CUDA only (mma.sync:
+sm_80+, run on sm_90 only; Gluon kernels do not run in the Triton interpreter). Batch invariant
+by construction: every sum runs in an order fixed by the weight shapes (128-column K steps, then
+the SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`), no atomics; the
+tiles picked per call (BM, NT) only change which threads compute which outputs.
 
 The repacked weights are made on first use (`prepare`): written over the original tensors when
 their owner allows it (the model's experts: `ExpertWeights.repack_in_place`), else a cached copy
@@ -11,6 +12,8 @@ next to the compressed-tensors originals that the other variants read.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -25,6 +28,7 @@ from ddserve.kernels.moe_w4_repack import (
     as_stream,
     fits_in_place,
     in_place_config,
+    in_place_started,
     repack,
     repack_in_place,
 )
@@ -35,6 +39,7 @@ from ddserve.kernels.moe_w4_repack import (
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
 # W and NREP set the repacked layout (one stream per weights). The bench overrides any key.
 CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1)
+log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
 
@@ -51,21 +56,23 @@ def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked
         raise ValueError("MoE v3 needs INT4 weights")
     tensors = (weights.w13_packed, weights.w13_scale, weights.w2_packed, weights.w2_scale)
     done = in_place_config(weights.w13_packed)
-    if done is not None:
+    if done is not None and in_place_config(weights.w2_packed) == done:
         if done != (w, nrep):
             raise ValueError(
                 f"experts were repacked in place for (W, NREP) = {done}, not {(w, nrep)}"
             )
         return as_stream(*tensors[:2]), as_stream(*tensors[2:])
-    if weights.repack_in_place and all(
-        fits_in_place(t, w, nrep) for t in (weights.w13_packed, weights.w2_packed)
-    ):  # (else, e.g. tiny test models, a padded copy)
+    fits = all(fits_in_place(t, w, nrep) for t in (weights.w13_packed, weights.w2_packed))
+    if weights.repack_in_place and fits:
         _not_capturing()
-        _compiles(weights, w, nrep)  # before the originals are gone (v2 could not read them)
+        if not in_place_started(weights.w13_packed):  # (a resumed rewrite has compiled before)
+            _compiles(weights, w, nrep)  # before the originals are gone (v2 cannot read the stream)
         return (
             repack_in_place(weights.w13_packed, weights.w13_scale, w, nrep),
             repack_in_place(weights.w2_packed, weights.w2_scale, w, nrep),
         )
+    if weights.repack_in_place and not _WARNED:
+        _warn_copy(weights)
     key = (w, nrep, *(t._version for t in tensors), *(t.data_ptr() for t in tensors))
     cache = getattr(weights.w13_packed, "_ddserve_v3", None)
     if cache is None:
@@ -81,6 +88,19 @@ def prepare(weights: ExpertWeights, w: int = 4, nrep: int = 2) -> tuple[Repacked
     return cache[key]
 
 
+_WARNED = False
+
+
+def _warn_copy(weights: ExpertWeights) -> None:
+    global _WARNED
+    _WARNED = True
+    log.warning(
+        "MoE v3: expert shapes %s / %s are not multiples of the 128 x 128 tile, so the experts "
+        "are repacked into a padded copy (extra memory) instead of in place",
+        tuple(weights.w13_packed.shape), tuple(weights.w2_packed.shape),
+    )  # fmt: skip
+
+
 def _compiles(weights: ExpertWeights, w: int, nrep: int) -> None:
     """One token through a copy of expert 0 with these tiles: a GPU or Triton build that cannot
     run the Gluon kernel fails here, while the caller can still fall back to v2."""
@@ -93,6 +113,19 @@ def _compiles(weights: ExpertWeights, w: int, nrep: int) -> None:
     ids = torch.zeros(1, 1, dtype=torch.int64, device=dev)
     fused_moe_v3(x, ids, torch.ones(1, 1, device=dev), one, config=dict(W=w, NREP=nrep))
     torch.cuda.synchronize(dev)
+
+
+def _config(overrides: dict | None) -> dict:
+    """CONFIG with the overrides, checked (a misspelled key must not be silently ignored)."""
+    unknown = set(overrides or {}) - set(CONFIG)
+    if unknown:
+        raise ValueError(f"MoE v3 config: unknown keys {sorted(unknown)} (known: {sorted(CONFIG)})")
+    cfg = dict(CONFIG, **(overrides or {}))
+    allowed = dict(W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2))
+    for key, values in allowed.items():
+        if cfg[key] not in values:
+            raise ValueError(f"MoE v3 config: {key}={cfg[key]!r}, expected one of {values}")
+    return cfg
 
 
 def _not_capturing() -> None:
@@ -160,7 +193,7 @@ def fused_moe_v3(
         raise RuntimeError("MoE v3 (Gluon) runs on CUDA GPUs only; use variant v2 elsewhere")
     if not weights.is_int4 or weights.w13_scale.dtype != torch.bfloat16:
         raise ValueError("MoE v3 needs INT4 weights with bf16 scales")
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = _config(config)
     t = x.shape[0]
     if t == 0:
         return torch.zeros_like(x)

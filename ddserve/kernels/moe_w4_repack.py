@@ -127,7 +127,8 @@ def repack(
     packed: torch.Tensor, scale: torch.Tensor, w: int = 4, nrep: int = 2, chunk: int = 8
 ) -> Repacked:
     """[E, N, K/8] int32 + [E, N, K/32] scales -> the kernel's stream (on packed.device).
-    Works `chunk` experts at a time (peak extra memory ~ chunk * N * K bytes)."""
+    Works `chunk` experts at a time (transient int64 work tensors of ~20 bytes per weight of a
+    chunk, besides the result)."""
     e, n, kw = packed.shape
     k = kw * PACK
     if scale.shape != (e, n, k // GROUP):
@@ -185,15 +186,28 @@ def decode_expert(r: Repacked, e: int, dtype: torch.dtype = torch.float32) -> to
     return decode(one, dtype)[0]
 
 
-MARK = "_ddserve_v3_stream"  # attribute on tensors repacked in place: (w, nrep, tensor version)
+# Attribute on tensors rewritten in place: (w, nrep, tensor version after the last write, experts
+# done). A load into the tensor bumps its version past the mark: the tensor is plain again.
+MARK = "_ddserve_v3_stream"
 
 
-def in_place_config(t: torch.Tensor) -> tuple[int, int] | None:
-    """(w, nrep) if `t` holds a stream written in place and not overwritten since, else None."""
+def _mark(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(w, nrep, experts done) of a current mark, else None."""
     mark = getattr(t, MARK, None)
     if mark is None or mark[2] != t._version:
         return None
-    return mark[0], mark[1]
+    return mark[0], mark[1], mark[3]
+
+
+def in_place_config(t: torch.Tensor) -> tuple[int, int] | None:
+    """(w, nrep) if `t` holds a complete stream written in place and not overwritten since."""
+    m = _mark(t)
+    return None if m is None or m[2] < t.shape[0] else (m[0], m[1])
+
+
+def in_place_started(t: torch.Tensor) -> bool:
+    """Whether `t` was (at least partly) rewritten in place: only v3 may read it."""
+    return _mark(t) is not None
 
 
 def fits_in_place(packed: torch.Tensor, w: int = 4, nrep: int = 2) -> bool:
@@ -203,24 +217,30 @@ def fits_in_place(packed: torch.Tensor, w: int = 4, nrep: int = 2) -> bool:
 
 
 def repack_in_place(
-    packed: torch.Tensor, scale: torch.Tensor, w: int = 4, nrep: int = 2, chunk: int = 8
+    packed: torch.Tensor, scale: torch.Tensor, w: int = 4, nrep: int = 2
 ) -> Repacked:
     """`repack` written over the compressed-tensors tensors themselves (the stream has the same
-    number of words and scales when N and K are multiples of the tile): no second copy of the
-    experts. Afterwards the tensors hold the stream (`in_place_config` says so; `decode` reads
-    them); a later load into them (which bumps their version) makes them plain tensors again."""
+    number of words and scales when N and K are multiples of the tile): no lasting second copy
+    of the experts (one expert at a time: transient int64 work tensors of ~20 bytes per weight
+    of one expert, 73 MB for K2.6's w13 at tp = 8). Afterwards the tensors hold the stream
+    (`in_place_config` says so; `decode` reads them); a later load into them that bumps their
+    version makes them plain tensors again. Marked after every expert, so an interrupted call
+    (e.g. out of memory) resumes where it stopped instead of permuting an expert twice."""
     e, n, kw = packed.shape
     bn = 16 * w * nrep
     if not (fits_in_place(packed, w, nrep) and scale.is_contiguous()):
         raise ValueError(f"in-place repack needs contiguous [E, N, K] with N % {bn} == 0 and "
                          f"K % {BK} == 0, got {tuple(packed.shape)} words")  # fmt: skip
+    done = _mark(packed)
+    if done is not None and (done[:2] != (w, nrep) or _mark(scale) != done):
+        raise ValueError(f"experts partly rewritten for (W, NREP) = {done[:2]}: reload them")
     flat_w, flat_s = packed.view(e, -1), scale.view(e, -1)
-    for e0 in range(0, e, chunk):
-        r = repack(packed[e0 : e0 + chunk], scale[e0 : e0 + chunk], w, nrep, chunk)
-        flat_w[e0 : e0 + chunk].copy_(r.words)
-        flat_s[e0 : e0 + chunk].copy_(r.scales)
-    for t in (packed, scale):
-        setattr(t, MARK, (w, nrep, t._version))
+    for ex in range(done[2] if done else 0, e):
+        r = repack(packed[ex : ex + 1], scale[ex : ex + 1], w, nrep, 1)
+        flat_w[ex].copy_(r.words[0])
+        flat_s[ex].copy_(r.scales[0])
+        for t in (packed, scale):
+            setattr(t, MARK, (w, nrep, t._version, ex + 1))
     return Repacked(flat_w, flat_s, n, kw * PACK, w, nrep)
 
 
@@ -228,6 +248,9 @@ def as_stream(packed: torch.Tensor, scale: torch.Tensor) -> Repacked:
     """The stream view of tensors `repack_in_place` wrote."""
     cfg = in_place_config(packed)
     if cfg is None or in_place_config(scale) != cfg:
-        raise ValueError("these tensors do not hold a repacked stream")
+        raise ValueError(
+            "these tensors do not hold a complete repacked stream (an in-place rewrite that was "
+            "interrupted resumes on the next v3 call; or reload the weights)"
+        )
     e, n, kw = packed.shape
     return Repacked(packed.view(e, -1), scale.view(e, -1), n, kw * PACK, *cfg)

@@ -1,0 +1,114 @@
+"""MoE v3 (Gluon, `kernels/moe_v3.py`) beyond the shared paths of `test_moe_triton.py`: thread
+layouts give the same bits, it is the default, the model's experts are rewritten in place, and
+calls past the 1024-token chunk (CUDA only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_triton import TOL, k26_experts, random_routing, rel_err
+
+from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels need CUDA")
+
+
+def test_v3_thread_layout_configs_are_bitwise_the_default():
+    """v3's BM, NT, DEPTH, NREP and W only change which threads compute which outputs, not any
+    sum's order (that is why BM and NT may be picked per call): at fixed SPLIT every such config
+    gives the default's bits, at T = 1, 48, 200 (K2.6 shapes). Every pair is printed first."""
+    from ddserve.kernels.moe_triton import fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(21)
+    configs = [dict(BM=8), dict(BM=16), dict(BM=32), dict(NT=1), dict(NT=2), dict(NT=8),
+               dict(DEPTH=2), dict(BM=8, DEPTH=2), dict(NREP=1), dict(NREP=4),
+               dict(W=8, NREP=1)]  # fmt: skip
+    bad = []
+    for t in (1, 48, 200):
+        x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
+        ids, tw = random_routing(t, 384, 8, gen)
+        ref = fused_moe(x, ids, tw, w, config={"variant": "v3"})
+        for c in configs:
+            out = fused_moe(x, ids, tw, w, config={"variant": "v3", **c})
+            diff = (out.float() - ref.float()).abs().max().item()
+            line = f"T={t} {c}: equal {torch.equal(out, ref)} max diff {diff:.3e}"
+            print(line)
+            if not torch.equal(out, ref):
+                bad.append(line)
+    assert not bad, "\n".join(bad)
+
+
+def test_default_variant_is_v3_for_int4_on_cuda():
+    """No variant named: INT4 weights with bf16 scales on CUDA run v3 (bitwise the explicit call);
+    V3_ERROR stays None (no fallback to v2 happened)."""
+    from ddserve.kernels import moe_triton
+    from ddserve.kernels.moe_triton import default_variant, fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(30, 7168, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = random_routing(30, 384, 8, gen)
+    assert default_variant(x, w) == "v3"
+    out = fused_moe(x, ids, tw, w, invariant=True)
+    assert moe_triton.V3_ERROR is None
+    assert torch.equal(out, fused_moe(x, ids, tw, w, config={"variant": "v3"}))
+
+
+def test_v3_in_place_repack_is_the_copy_path_without_the_copy():
+    """The model's experts (`repack_in_place=True`, K2.6 shapes): v3 overwrites them with its
+    stream (allocated memory does not grow by the ~1.2 GB a copy takes), gives bitwise the copy
+    path's output, the torch reference still reads them (decoding), and v2 refuses them."""
+    from ddserve.kernels.moe_triton import fused_moe
+    from ddserve.kernels.moe_w4_repack import in_place_config
+
+    src = k26_experts()
+    w = ExpertWeights(
+        w13_packed=src.w13_packed.clone(), w13_scale=src.w13_scale.clone(),
+        w2_packed=src.w2_packed.clone(), w2_scale=src.w2_scale.clone(), repack_in_place=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(40, 7168, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = random_routing(40, 384, 8, gen)
+    copy_out = fused_moe(x, ids, tw, src, config={"variant": "v3"})
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = fused_moe(x, ids, tw, w, invariant=True)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    print(f"in-place: allocated grew {grown / 2**20:.1f} MiB; equal to copy path "
+          f"{torch.equal(out, copy_out)}")  # fmt: skip
+    assert in_place_config(w.w13_packed) == (4, 2) and in_place_config(w.w2_packed) == (4, 2)
+    assert grown < 256 * 2**20
+    assert torch.equal(out, copy_out)
+    assert torch.equal(fused_moe(x, ids, tw, w), out)  # later calls reuse the stream
+    few = ids[:3] % 8  # the reference decodes experts 0..7 only (fast)
+    assert rel_err(moe_ref(x[:3], few, tw[:3], w), moe_ref(x[:3], few, tw[:3], src)) == 0.0
+    with pytest.raises(RuntimeError, match="repacked in place"):
+        fused_moe(x, ids, tw, w, config={"variant": "v2"}, invariant=True)
+
+
+def test_v3_past_one_chunk():
+    """T = 1500 > CHUNK (1024): two launch sets; the rows equal the reference and, bitwise, the
+    two halves computed by separate calls (per-token invariance across the chunk boundary)."""
+    from ddserve.kernels.moe_triton import fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(24)
+    x = torch.randn(1500, 7168, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = random_routing(1500, 384, 8, gen)
+    out = fused_moe(x, ids, tw, w, config={"variant": "v3"})
+    assert rel_err(out, moe_ref(x, ids, tw, w)) < TOL
+    halves = [fused_moe(x[a:b], ids[a:b], tw[a:b], w, config={"variant": "v3"})
+              for a, b in ((0, 700), (700, 1500))]  # fmt: skip
+    assert torch.equal(out, torch.cat(halves))
+
+
+def test_v3_rejects_unknown_config_keys():
+    from ddserve.kernels.moe_triton import fused_moe
+
+    w = k26_experts()
+    x = torch.zeros(1, 7168, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(1, 8, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="BN2"):
+        fused_moe(x, ids, torch.ones(1, 8, device="cuda"), w, config={"variant": "v3", "BN2": 32})
