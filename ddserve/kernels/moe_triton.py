@@ -39,7 +39,19 @@ def default_variant(x: torch.Tensor, weights: ExpertWeights) -> str:
             raise ValueError(f"DDSERVE_MOE_VARIANT={env!r}: expected one of {sorted(VARIANTS)}")
         return env
     v3_ok = x.is_cuda and weights.is_int4 and weights.w13_scale.dtype == torch.bfloat16
-    return "v3" if v3_ok and V3_ERROR is None else "v2"
+    variant = "v3" if v3_ok and V3_ERROR is None else "v2"
+    if variant not in _LOGGED:
+        _LOGGED.add(variant)
+        why = (
+            "INT4 experts, bf16 scales, CUDA"
+            if variant == "v3"
+            else (f"v3 failed: {V3_ERROR}" if V3_ERROR else "not INT4 with bf16 scales on CUDA")
+        )
+        log.info("MoE kernel: %s (%s)", variant, why)
+    return variant
+
+
+_LOGGED: set[str] = set()
 
 
 def fused_moe(
