@@ -29,6 +29,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from ddserve.kernels.moe_w4_tiles import PAIR_ASM
+
 BK = gl.constexpr(128)  # K columns per step (4 scale groups of 32)
 
 
@@ -49,19 +51,9 @@ def _x_layout(W, BM):
 @gluon.jit
 def _pair(w, s):
     """Nibbles at bits 0 and 16 of int32 words w times bf16 scales s (int16 bits): bf16 pairs
-    (n - 8) * s, as two int16 tensors (see moe_w4_tiles._pair_asm: the same instructions)."""
+    (n - 8) * s, as two int16 tensors (the instructions of `moe_w4_tiles._pair_asm`)."""
     return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, s2, one, c;
-        mov.b32 s2, {$3, $3};
-        mov.b32 one, 0x3F803F80;
-        mov.b32 c, 0xC308C308;
-        lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
-        fma.rn.bf16x2 t, t, one, c;
-        mov.b32 c, 0x80008000;
-        fma.rn.bf16x2 t, t, s2, c;
-        mov.b32 {$0, $1}, t;
-        }""",
+        asm=PAIR_ASM,
         constraints="=h,=h,r,h",
         args=[w, s],
         dtype=(gl.int16, gl.int16),

@@ -15,13 +15,9 @@ import triton.language as tl
 
 from ddserve.kernels.moe_triton_v1 import _unpack
 
-
-@triton.jit
-def _pair_asm(w, s):
-    """Nibbles at bits 0 and 16 of int32 words w times bf16 scales s (passed as int16 bits):
-    two int16 tensors holding the bf16 bits (16-bit asm operands are integers for LLVM)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+# (n0 + 128, n16 + 128) as bf16x2 via lop3, minus 136 (exact), times the scale (+ -0: one
+# rounding of the exact product). Shared with the Gluon kernel (`moe_gluon._pair`).
+PAIR_ASM = tl.constexpr("""{
         .reg .b32 t, s2, one, c;
         mov.b32 s2, {$3, $3};
         mov.b32 one, 0x3F803F80;
@@ -31,7 +27,15 @@ def _pair_asm(w, s):
         mov.b32 c, 0x80008000;
         fma.rn.bf16x2 t, t, s2, c;
         mov.b32 {$0, $1}, t;
-        }""",
+        }""")
+
+
+@triton.jit
+def _pair_asm(w, s):
+    """Nibbles at bits 0 and 16 of int32 words w times bf16 scales s (passed as int16 bits):
+    two int16 tensors holding the bf16 bits (16-bit asm operands are integers for LLVM)."""
+    return tl.inline_asm_elementwise(
+        asm=PAIR_ASM,
         constraints="=h,=h,r,h",
         args=[w, s],
         dtype=(tl.int16, tl.int16),
