@@ -99,6 +99,13 @@ def kernel_maps(w: int, nrep: int) -> Maps:
     return Maps(word_row, word_col, scale_row, scale_group)
 
 
+@lru_cache(maxsize=16)
+def _maps_on(w: int, nrep: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """`kernel_maps` on a device, copied once (the in-place repack calls `repack` per expert)."""
+    m = kernel_maps(w, nrep)
+    return tuple(t.to(device) for t in (m.word_row, m.word_col, m.scale_row, m.scale_group))
+
+
 @dataclass
 class Repacked:
     """One projection of every expert, in the kernel's tile stream."""
@@ -133,12 +140,10 @@ def repack(
     k = kw * PACK
     if scale.shape != (e, n, k // GROUP):
         raise ValueError(f"scale {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
-    maps = kernel_maps(w, nrep)
     bn = 16 * w * nrep
     nt, ks = -(-n // bn), -(-k // BK)
     dev = packed.device
-    wr, wc = maps.word_row.to(dev), maps.word_col.to(dev)  # [NW, 8]
-    sr, sg = maps.scale_row.to(dev), maps.scale_group.to(dev)  # [NS]
+    wr, wc, sr, sg = _maps_on(w, nrep, dev)  # [NW, 8] x 2, [NS] x 2
     shifts = torch.arange(PACK, device=dev, dtype=torch.int64) * 4
     words_out, scales_out = [], []
     for e0 in range(0, e, chunk):
@@ -166,8 +171,7 @@ def decode(r: Repacked, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     e = r.words.shape[0]
     bn, nt, ks = r.bn, r.n_tiles, r.k_steps
     nw, ns = maps.word_row.shape[0], maps.scale_row.shape[0]
-    wr, wc = maps.word_row.to(dev), maps.word_col.to(dev)
-    sr, sg = maps.scale_row.to(dev), maps.scale_group.to(dev)
+    wr, wc, sr, sg = _maps_on(r.w, r.nrep, dev)
     shifts = torch.arange(PACK, dtype=torch.int64, device=dev) * 4
     words = r.words.to(torch.int64).reshape(e, nt, ks, nw)
     nib = (words.unsqueeze(-1) >> shifts) & 0xF  # [E, NT, KS, NW, 8]
