@@ -2,7 +2,9 @@
 
 Field names follow HF's `DeepseekV3Config` and missing fields take its defaults, so a config
 means the same thing here as in `transformers`. Anything we do not understand is an error that
-names the field: silently ignoring e.g. a different scoring function would serve garbage.
+names the field: silently ignoring e.g. a different scoring function would serve garbage. Fields
+that transformers derives and saves (`head_dim`, `qk_head_dim`, ...) are checked against their
+sources, so a config that `save_pretrained` wrote loads unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ _FIXED: dict[str, tuple[Any, ...]] = {
     "attention_bias": (False,),
     "moe_layer_freq": (1,),
     "tie_word_embeddings": (False,),
+}
+
+# Fields `transformers` derives from others and writes into every config it saves
+# (DeepseekV3Config.__init__, 4.57): field -> the fields it is the sum of. Accepted when they agree,
+# refused when not: transformers would compute with the written value, ddserve with the sources.
+_DERIVED: dict[str, tuple[str, ...]] = {
+    "head_dim": ("qk_rope_head_dim",),  # the rotary dimension
+    "qk_head_dim": ("qk_nope_head_dim", "qk_rope_head_dim"),
+    "num_key_value_heads": ("num_attention_heads",),  # MLA: one kv head per query head
 }
 
 _ROPE_KEYS = {
@@ -167,6 +178,7 @@ def _from_raw(raw: dict[str, Any], where: str) -> ModelConfig:
         raise ValueError(f"{where}: unsupported model_type {model_type!r} (supported: {supported})")
     _check_fields(raw, where)
     vals = {k: raw.get(k, d) for k, d in _DEFAULTS.items()}
+    _check_derived(raw, vals, where)
     vals["rope_scaling"] = _rope_scaling(vals["rope_scaling"], where)
     if isinstance(vals["eos_token_id"], list):
         vals["eos_token_id"] = tuple(vals["eos_token_id"])
@@ -180,22 +192,37 @@ def _from_raw(raw: dict[str, Any], where: str) -> ModelConfig:
 
 
 def _check_fields(raw: dict[str, Any], where: str) -> None:
-    unknown = sorted(set(raw) - set(_DEFAULTS) - _IGNORED - set(_FIXED) - {"num_key_value_heads"})
+    unknown = sorted(set(raw) - set(_DEFAULTS) - _IGNORED - set(_FIXED) - set(_DERIVED))
     if unknown:
         raise ValueError(f"{where}: unsupported config field(s) {unknown}")
     for key, allowed in _FIXED.items():
         if key in raw and raw[key] not in allowed:
             raise ValueError(f"{where}: unsupported {key} = {raw[key]!r} (supported: {allowed})")
-    heads = raw.get("num_attention_heads", _DEFAULTS["num_attention_heads"])
-    kv_heads = raw.get("num_key_value_heads")
-    if kv_heads not in (None, heads):
-        raise ValueError(f"{where}: num_key_value_heads {kv_heads} != num_attention_heads {heads}")
+
+
+def _check_derived(raw: dict[str, Any], vals: dict[str, Any], where: str) -> None:
+    """Each derived field present (and not null) equals the sum of its sources."""
+    for key, sources in _DERIVED.items():
+        expected = sum(vals[f] for f in sources)
+        if raw.get(key) is not None and raw[key] != expected:
+            given = ", ".join(f"{f} = {vals[f]!r}" for f in sources)
+            total = f" = {expected}" if len(sources) > 1 else ""
+            raise ValueError(
+                f"{where}: {key} = {raw[key]!r} is inconsistent with {given} "
+                f"({key} must equal {' + '.join(sources)}{total})"
+            )
 
 
 def _rope_scaling(rs: dict | None, where: str) -> dict | None:
     if rs is None:
         return None
     rs = dict(rs)
+    if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
+        # transformers copies `type` into `rope_type` and writes both when it saves.
+        raise ValueError(
+            f"{where}: rope_scaling.rope_type = {rs['rope_type']!r} does not match "
+            f"rope_scaling.type = {rs['type']!r}"
+        )
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -152,8 +153,6 @@ def test_reads_config_json_from_directory(tiny_model_dir):
 
 def test_generation_config_eos_ids_join_the_config_ones(tmp_path):
     """Chat checkpoints (Kimi K2) end a turn with generation_config.json's eos: stop on both."""
-    import json
-
     from ddserve.model.tiny import write_tiny
 
     d = write_tiny(tmp_path / "m", seed=0)
@@ -162,3 +161,58 @@ def test_generation_config_eos_ids_join_the_config_ones(tmp_path):
     assert ModelConfig.from_hf(d).eos_token_id == (base, 259)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": base}))
     assert ModelConfig.from_hf(d).eos_token_id == base
+
+
+SAVED_VARIANTS = {
+    "tiny_yarn_type": TINY_CONFIG,  # YaRN with the legacy `type` key, grouped routing, q LoRA
+    "yarn_rope_type": TINY_CONFIG | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+    "no_qlora_no_rope_scaling": TINY_CONFIG | {"q_lora_rank": None, "rope_scaling": None},
+    "kimi_k2_shapes": KIMI_K2 | {"model_type": "deepseek_v3"},
+    "hf_defaults": {"model_type": "deepseek_v3"},
+}
+
+
+@pytest.mark.parametrize("raw", SAVED_VARIANTS.values(), ids=SAVED_VARIANTS.keys())
+def test_transformers_saved_config_loads_unchanged(raw, tmp_path):
+    """`save_pretrained` adds derived fields (head_dim, qk_head_dim, rope_scaling.rope_type, ...);
+    the saved file means the same model as the fields it was made from."""
+    hf_raw = {k: v for k, v in raw.items() if k != "model_type"}
+    transformers.DeepseekV3Config(**copy.deepcopy(hf_raw)).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert {"head_dim", "qk_head_dim"} <= saved.keys()
+    assert ModelConfig.from_hf(tmp_path) == ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("qk_head_dim", 128, "qk_head_dim = 128 is inconsistent with qk_nope_head_dim = 128, "
+         r"qk_rope_head_dim = 64 \(qk_head_dim must equal qk_nope_head_dim \+ qk_rope_head_dim "
+         r"= 192\)"),
+        ("head_dim", 128, "head_dim = 128 is inconsistent with qk_rope_head_dim = 64"),
+        ("num_key_value_heads", 8, "num_key_value_heads = 8 is inconsistent with "
+         "num_attention_heads = 64"),
+    ],
+)  # fmt: skip
+def test_inconsistent_derived_field_names_both(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(KIMI_K2 | {field: value})
+
+
+def test_derived_fields_follow_their_sources():
+    raw = KIMI_K2 | {"qk_nope_head_dim": 96, "qk_rope_head_dim": 32}
+    cfg = ModelConfig.from_hf(raw | {"qk_head_dim": 128, "head_dim": 32})
+    assert cfg == ModelConfig.from_hf(raw) and cfg.qk_head_dim == 128
+    assert ModelConfig.from_hf(KIMI_K2 | {"head_dim": None}) == ModelConfig.from_hf(KIMI_K2)
+
+
+def test_inconsistent_rope_type_names_both():
+    rope = KIMI_K2["rope_scaling"] | {"rope_type": "linear"}
+    match = "rope_scaling.rope_type = 'linear' does not match rope_scaling.type = 'yarn'"
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(KIMI_K2 | {"rope_scaling": rope})
+
+
+def test_unknown_field_is_still_refused_beside_derived_ones():
+    with pytest.raises(ValueError, match=r"unsupported config field\(s\) \['v_head_dim_x'\]"):
+        ModelConfig.from_hf(KIMI_K2 | {"head_dim": 64, "qk_head_dim": 192, "v_head_dim_x": 128})

@@ -75,6 +75,16 @@ def test_unsupported_config_field_is_named(tiny_model_dir, tmp_path):
         load_model(bad, progress=False)
 
 
+def test_inconsistent_derived_config_field_names_both(tiny_model_dir, tmp_path):
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, bad)
+    raw = json.loads((bad / "config.json").read_text()) | {"qk_head_dim": 64}
+    (bad / "config.json").write_text(json.dumps(raw))
+    match = r"qk_head_dim = 64 is inconsistent with qk_nope_head_dim = 32, qk_rope_head_dim = 16"
+    with pytest.raises(ValueError, match=match):
+        load_model(bad, progress=False)
+
+
 def test_sharded_checkpoint_equals_single_file(tiny_model_dir, tmp_path):
     sharded = write_tiny(tmp_path / "sharded", seed=0, num_shards=3)
     assert (sharded / "model.safetensors.index.json").exists()

@@ -1,4 +1,9 @@
-"""ddserve's model equals HF transformers' DeepseekV3ForCausalLM on the same random checkpoint."""
+"""ddserve's model equals HF transformers' DeepseekV3ForCausalLM on the same random checkpoint.
+
+Checkpoints come from two writers: `ddserve make-tiny` (`write_tiny`), and transformers itself
+(`DeepseekV3ForCausalLM(...).save_pretrained`), whose config.json carries the fields transformers
+derives (`head_dim`, `qk_head_dim`, `rope_scaling.rope_type`) and which ddserve loads unchanged.
+"""
 
 from __future__ import annotations
 
@@ -37,9 +42,54 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# Tiny shapes for checkpoints written by transformers; every other field takes HF's default.
+HF_TINY = dict(
+    vocab_size=264, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16,
+    num_experts_per_tok=4, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64,
+    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    max_position_embeddings=2048, bos_token_id=256, eos_token_id=257,
+)  # fmt: skip
+
+HF_SAVED = {
+    # YaRN given as the legacy `type` key (transformers also writes `rope_type`).
+    "hf_saved_yarn": dict(
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        }
+    ),
+    "hf_saved_grouped": dict(n_group=4, topk_group=2),  # group-limited routing
+    "hf_saved_no_qlora": dict(q_lora_rank=None, rope_interleave=False),
+}
+
+
+def save_hf_model(path, seed: int, **overrides) -> None:
+    """A random DeepseekV3ForCausalLM written by transformers' own `save_pretrained`."""
+    torch.manual_seed(seed)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_TINY | overrides))
+    with torch.no_grad():  # HF initialises the routing bias to zero: make it matter
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    hf.save_pretrained(path)
+
+
+def write_checkpoint(path, name: str):
+    if name in HF_SAVED:
+        save_hf_model(path, seed=1, **HF_SAVED[name])
+        return path
+    return write_tiny(path, seed=1, **CONFIGS[name])
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS) + sorted(HF_SAVED))
 def models(request, tmp_path_factory):
-    path = write_tiny(tmp_path_factory.mktemp(request.param), seed=1, **CONFIGS[request.param])
+    path = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
     )
