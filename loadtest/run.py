@@ -3,7 +3,8 @@
 Bounded by construction: requests go only to --url (a loopback host unless --allow-remote),
 each run sends at most --num-prompts requests (<= MAX_REQUESTS) and is cut off after --duration
 seconds (<= MAX_DURATION_S), so an invocation ends by itself within
-(warm-up + number of load points) x --duration.
+(warm-up + number of load points) x --duration. Optional dependencies a flag needs are checked
+before any request is sent. Prompt lengths count the served model's tokens (loadtest/tokens.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import importlib
 import ipaddress
 import sys
 from urllib.parse import urlsplit
@@ -18,16 +20,21 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadtest import datasets
+from loadtest.calibrate import load_encoder, measure_counter
 from loadtest.client import Target, resolve_model, send_request
 from loadtest.driver import LoadShape, run_load
 from loadtest.metrics import compute_metrics, request_records
 from loadtest.prom import scrape, server_delta
 from loadtest.report import format_summary, plot_sweep, write_json
+from loadtest.tokens import Encode, TokenCounter
 
 MAX_REQUESTS = 10_000
 MAX_DURATION_S = 3600.0
 MAX_CONCURRENCY = 1024
 MAX_SWEEP_POINTS = 16
+INSTALL_EXTRA = 'pip install -e ".[loadtest]"'
+# Flag (argparse dest) -> the module it imports that ddserve's own dependencies do not bring.
+OPTIONAL_DEPS: dict[str, str] = {"plot": "matplotlib"}
 
 
 def check_url(url: str, allow_remote: bool) -> str:
@@ -123,7 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dataset-path", default=None, help="file for --dataset jsonl/sharegpt")
     g.add_argument(
-        "--input-len", type=int, default=128, help="random prompt length (tokens, approx)"
+        "--input-len",
+        type=int,
+        default=128,
+        help="random prompt length in the served model's tokens, as usage.prompt_tokens counts "
+        "them (default %(default)s)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the served checkpoint's directory: count prompt tokens with its tokenizer "
+        "(default: fit the count to probe requests' usage.prompt_tokens)",
     )
     g.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     g.add_argument(
@@ -162,13 +180,30 @@ def validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--input-len/--output-len must be >= 1 and --range-ratio in [0, 1)")
 
 
-def load_prompts(args: argparse.Namespace, num: int, seed: int) -> list[datasets.Prompt]:
+def missing_dependency(args: argparse.Namespace) -> str | None:
+    """A one-line message for the first optional module a given flag needs but cannot import."""
+    for dest, module in OPTIONAL_DEPS.items():
+        if getattr(args, dest, None):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                flag = "--" + dest.replace("_", "-")
+                return f"{flag} needs {module}, which is not installed: {INSTALL_EXTRA}"
+    return None
+
+
+def load_prompts(
+    args: argparse.Namespace, num: int, seed: int, counter: TokenCounter
+) -> list[datasets.Prompt]:
     if args.dataset == "jsonl":
-        return datasets.take(datasets.jsonl_prompts(args.dataset_path, args.output_len), num, seed)
-    if args.dataset == "sharegpt":
-        pool = datasets.sharegpt_prompts(args.dataset_path, args.output_len)
+        pool = datasets.jsonl_prompts(args.dataset_path, args.output_len, counter)
         return datasets.take(pool, num, seed)
-    return datasets.random_prompts(num, args.input_len, args.output_len, args.range_ratio, seed)
+    if args.dataset == "sharegpt":
+        pool = datasets.sharegpt_prompts(args.dataset_path, args.output_len, counter)
+        return datasets.take(pool, num, seed)
+    return datasets.random_prompts(
+        num, args.input_len, args.output_len, args.range_ratio, seed, counter
+    )
 
 
 async def run_point(
@@ -205,9 +240,8 @@ async def run_point(
     }
 
 
-async def run_all(args: argparse.Namespace) -> dict:
+async def run_all(args: argparse.Namespace, encode: Encode | None = None) -> dict:
     concurrencies = args.sweep or [args.concurrency]
-    prompts = load_prompts(args, args.num_prompts, args.seed)
     timeout = httpx.Timeout(args.duration, connect=min(10.0, args.duration))
     limits = httpx.Limits(max_connections=max(concurrencies) + 2)
     progress = not args.no_progress
@@ -216,8 +250,11 @@ async def run_all(args: argparse.Namespace) -> dict:
     ) as client:
         model = args.model or await resolve_model(client, args.url)
         target = Target(args.url, model, args.endpoint, args.ignore_eos, args.temperature)
+        counter = await measure_counter(client, target, encode, args.tokenizer)
+        print(f"prompt tokens: {counter.source}", flush=True)
+        prompts = load_prompts(args, args.num_prompts, args.seed, counter)
         if args.warmup:
-            warm = load_prompts(args, args.warmup, args.seed + 1)
+            warm = load_prompts(args, args.warmup, args.seed + 1, counter)
             shape = LoadShape(concurrencies[0], args.duration)
             outcome = await run_load(lambda pr: send_request(client, target, pr), warm, shape)
             failed = sum(not r.success for r in outcome.results)
@@ -229,7 +266,7 @@ async def run_all(args: argparse.Namespace) -> dict:
             print(format_summary(run), flush=True)
             runs.append(run)
     config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
-    config.update(model=model, concurrencies=concurrencies)
+    config.update(model=model, concurrencies=concurrencies, prompt_tokens=counter.describe())
     return {
         "tool": "ddserve loadtest",
         "time": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -243,8 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     validate(args, parser)
+    problem = missing_dependency(args)
+    if problem:
+        print(f"loadtest: {problem}", file=sys.stderr)
+        return 2
+    encode = None
+    if args.tokenizer:
+        try:
+            encode = load_encoder(args.tokenizer)
+        except Exception as e:  # any unreadable tokenizer: one line, before any request
+            print(f"loadtest: --tokenizer {args.tokenizer}: {e}", file=sys.stderr)
+            return 2
     try:
-        result = asyncio.run(run_all(args))
+        result = asyncio.run(run_all(args, encode))
     except (httpx.HTTPError, RuntimeError) as e:  # server unreachable or lists no model
         print(
             f"loadtest: cannot start against {args.url}: {type(e).__name__}: {e}", file=sys.stderr

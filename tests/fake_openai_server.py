@@ -7,7 +7,10 @@ tokens and sends them in one chunk; a step takes longer the more streams are act
 batched engine's does. It counts steps and committed tokens on `/metrics` under the
 ddserve names, and logs every request (id, token counts) so tests can check the client against
 what the server really sent. A prompt containing `<fail>` gets HTTP 500; `<fail-midstream>` gets
-an error event after the first chunk.
+an error event after the first chunk. Prompt tokens are counted per word (`tokens="words"`, a
+BPE-like count; a chat message adds 2) or as ddserve's byte-level tokenizer counts them
+(`tokens="bytes"`: BOS + UTF-8 bytes of the prompt, or of the rendered chat template).
+`report_usage=False` leaves the usage chunk out; `http_requests` counts every request received.
 
     with FakeOpenAIServer() as srv:
         ...  # srv.url is http://127.0.0.1:<free port>
@@ -33,8 +36,18 @@ def _sse(obj: object) -> str:
 
 
 class FakeOpenAIServer:
-    def __init__(self, model: str = "fake-model", prefill_s: float = 0.004, step_s: float = 0.002):
+    def __init__(
+        self,
+        model: str = "fake-model",
+        prefill_s: float = 0.004,
+        step_s: float = 0.002,
+        tokens: str = "words",
+        report_usage: bool = True,
+    ):
         self.model = model
+        self.tokens = tokens
+        self.report_usage = report_usage
+        self.http_requests = 0
         self.prefill_s = prefill_s
         self.step_s = step_s
         self.log: list[dict] = []  # one row per finished request
@@ -99,7 +112,7 @@ class FakeOpenAIServer:
             return
         yield self._chunk(base, chat, "", "length")
         n_out = sum(plan)
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if self.report_usage and (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out}
             usage["total_tokens"] = prompt_tokens + n_out
             yield _sse({**base, "choices": [], "usage": usage})
@@ -114,9 +127,15 @@ class FakeOpenAIServer:
             messages = body.get("messages") or []
             words = [w for m in messages for w in str(m.get("content", "")).split()]
             prompt_tokens = len(words) + 2 * len(messages)  # a chat template's role markers
+            turn = "<|im_start|>{}\n{}<|im_end|>\n"  # the rendered chat template
+            text = "".join(turn.format(m.get("role"), m.get("content")) for m in messages)
+            text += "<|im_start|>assistant\n"
         else:
-            words = str(body.get("prompt", "")).split()
+            text = str(body.get("prompt", ""))
+            words = text.split()
             prompt_tokens = len(words)
+        if self.tokens == "bytes":
+            prompt_tokens = 1 + len(text.encode("utf-8"))
         if "<fail>" in words:
             self.requests_failed += 1
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
@@ -146,6 +165,11 @@ class FakeOpenAIServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
+
+        @app.middleware("http")
+        async def count_requests(request: Request, call_next):
+            self.http_requests += 1
+            return await call_next(request)
 
         @app.post("/v1/completions")
         async def completions(request: Request):

@@ -12,6 +12,7 @@ from loadtest.client import SSEDecoder, Target, build_body, chunk_text
 from loadtest.driver import poisson_gaps
 from loadtest.prom import parse_prometheus, server_delta
 from loadtest.run import check_url
+from loadtest.tokens import TokenCounter
 
 
 def _events(lines: list[str]) -> list[str]:
@@ -86,12 +87,13 @@ def test_accepted_tokens_per_step_counts_stream_steps_when_the_server_has_them()
 
 
 def test_random_prompts_respect_range_ratio_and_seed():
-    ps = datasets.random_prompts(200, input_len=40, output_len=10, range_ratio=0.5, seed=3)
+    per_word = TokenCounter(per_word=1.0, per_byte=0.0)  # one token per word: exact lengths
+    ps = datasets.random_prompts(200, 40, 10, range_ratio=0.5, seed=3, counter=per_word)
     assert all(20 <= p.prompt_len <= 60 and 5 <= p.output_len <= 15 for p in ps)
     assert all(len(p.text.split()) == p.prompt_len for p in ps)
     assert len({p.prompt_len for p in ps}) > 10
-    assert ps == datasets.random_prompts(200, 40, 10, 0.5, seed=3)
-    fixed = datasets.random_prompts(5, 8, 4)
+    assert ps == datasets.random_prompts(200, 40, 10, 0.5, seed=3, counter=per_word)
+    fixed = datasets.random_prompts(5, 8, 4, counter=per_word)
     assert {(p.prompt_len, p.output_len) for p in fixed} == {(8, 4)}
 
 
