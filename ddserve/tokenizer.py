@@ -295,3 +295,20 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+class PromptTokenizer(Protocol):
+    bos_token_id: int | None
+
+    def encode(
+        self, text: str, add_bos: bool = False, allow_special: bool | None = None
+    ) -> list[int]: ...
+
+
+def encode_prompt(tok: PromptTokenizer, text: str) -> list[int]:
+    """A raw text prompt's ids, the same offline (`LLM.generate`, `ddserve generate`) and over
+    HTTP (`/v1/completions`): BOS first when the tokenizer has one (as HF's DeepSeek-V3 tokenizer
+    does with `add_bos_token`), and special-token strings in the text parsed as their ids (a raw
+    prompt may spell control tokens on purpose, in a hand-made template, as in vLLM)."""
+    bos = getattr(tok, "bos_token_id", None) is not None
+    return tok.encode(text, add_bos=bos, allow_special=True)

@@ -32,7 +32,8 @@ def single_thread():
 
 
 def make_runner(model_dir, budget: int = 8, drafter=None, num_slots: int = 4096, **kw):
-    cfg = EngineConfig(num_slots=num_slots, budget=budget, dtype="bfloat16", **kw)
+    """A CPU runner in the engine's CPU dtype (float32, `resolve_dtype`) unless `dtype` is given."""
+    cfg = EngineConfig(num_slots=num_slots, budget=budget, **kw)
     return ModelRunner(model_dir, engine_cfg=cfg, drafter=drafter, device="cpu")
 
 

@@ -103,7 +103,9 @@ def test_all_reduce_ordered_sums_in_rank_order() -> None:
 def test_cuda_graphs_run_eagerly_when_padding_would_crowd_out_streams(tiny_model_dir, caplog):
     """max(buckets) x (budget + 1) padding slots must leave most of the pool to streams."""
     runner = _runner(tiny_model_dir)
-    runner.cfg = EngineConfig(num_slots=256, budget=16, cuda_graphs=True, graph_buckets=(1, 8))
+    runner.cfg = EngineConfig(
+        num_slots=256, budget=16, dtype="bfloat16", cuda_graphs=True, graph_buckets=(1, 8)
+    )
     runner.device = torch.device("cuda")  # the check comes before anything touches the device
     free = runner.free_slots
     with caplog.at_level("WARNING"):

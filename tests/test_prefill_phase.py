@@ -31,7 +31,7 @@ def test_only_the_prefill_forward_runs_in_the_phase(tiny_model_dir, monkeypatch)
     forward = runner._forward
 
     def spy(ids, *args, **kwargs):
-        seen.append((int(ids.numel()), invariant_configs._phase["prefill"]))
+        seen.append((int(ids.numel()), backend.in_prefill_phase()))
         return forward(ids, *args, **kwargs)
 
     monkeypatch.setattr(runner, "_forward", spy)

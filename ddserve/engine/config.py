@@ -7,6 +7,25 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("auto", *_DTYPES)
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> str:
+    """The compute dtype on `device`: "auto" is float32 on the CPU and bfloat16 elsewhere; any
+    other name as given. The one rule behind `LLM()`, `ddserve generate` and serving.
+
+    float32 on the CPU keeps DDTree == autoregressive on any x86 CPU: torch's CPU matmuls are not
+    batch-invariant (which kernel and reduction order a row gets depends on the row count M and
+    on the CPU's ISA), so a verify row and its decode twin differ in the last fp32 bits. In
+    float32 that stays ~1e-7 relative, far below a greedy near-tie; in bfloat16 every op rounds
+    its output to 8 mantissa bits, a last-bit difference becomes a whole bf16 ulp now and then,
+    and bf16 logits tie often enough for a greedy token to flip. GPUs get batch-invariant kernels
+    (`EngineConfig.batch_invariant`) and run bfloat16."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -18,7 +37,7 @@ class EngineConfig:
     num_slots: int = 8192
     budget: int = 16
     prefill_chunk: int = 512
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     seed: int = 0
     max_streams: int = 16  # concurrent streams: sizes per-stream device state (drafter context)
     # replay decode/verify forwards from CUDA graphs (CUDA, 16-bit dtype); see engine/graphs.py
@@ -29,11 +48,13 @@ class EngineConfig:
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if min(self.budget, self.prefill_chunk, self.num_slots, self.max_streams) < 1:
             raise ValueError("budget, prefill_chunk, num_slots and max_streams must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' has no torch dtype until resolved (resolve_dtype)")
         return _DTYPES[self.dtype]

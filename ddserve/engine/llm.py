@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import Drafter
-from ddserve.engine.runner import ModelRunner, default_device
+from ddserve.engine.runner import ModelRunner
 from ddserve.kvcache import OutOfSlots
 from ddserve.sampling import SamplingParams
 
@@ -39,7 +37,8 @@ def _load_tokenizer(path: Path):
 
 class LLM:
     """Offline engine. `drafter` is a Drafter instance or a DFlash drafter directory; without one,
-    generation is autoregressive. tp > 1 runs ranks 1.. in spawned gloo worker processes."""
+    generation is autoregressive. tp > 1 runs ranks 1.. in spawned gloo worker processes.
+    dtype "auto": float32 on the CPU, bfloat16 on GPUs (`engine.config.resolve_dtype`)."""
 
     def __init__(
         self,
@@ -49,7 +48,7 @@ class LLM:
         budget: int = 16,
         device: str | None = None,
         num_slots: int = 4096,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         prefill_chunk: int = 512,
         max_streams: int = 16,
         seed: int | None = None,
@@ -88,10 +87,14 @@ class LLM:
         return self.runner.free_slots
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A text prompt's ids as the HTTP completions API builds them (`encode_prompt`); token
+        ids as given."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"no tokenizer in {self.model_path}; pass token ids")
-            return self.tokenizer.encode(prompt)
+            from ddserve.tokenizer import encode_prompt
+
+            return encode_prompt(self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
     def generate(
@@ -179,11 +182,8 @@ def main(args) -> int:
         drafter = model / "drafter"  # a checkpoint's bundled drafter, as `ddserve serve` does
     if drafter is None and not args.no_speculative:
         print("ddserve: no drafter given or bundled: decoding autoregressively", file=sys.stderr)
-    device = args.device or default_device()
-    # CPU runs in float32 (what `ddserve serve` does there); GPUs in bfloat16.
-    dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
     llm = LLM(
-        model, drafter=drafter, tp=args.tp, budget=args.budget, device=device, dtype=dtype,
+        model, drafter=drafter, tp=args.tp, budget=args.budget, device=args.device,
         batch_invariant=getattr(args, "batch_invariant", True),
         cuda_graphs=getattr(args, "cuda_graphs", False),
     )  # fmt: skip

@@ -7,6 +7,7 @@ rank reaches the same state without talking. One device-to-host copy per step fe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from ddserve.config import ModelConfig
 from ddserve.ddtree import accept, block_meta, build_tree, select_tokens, verify_inputs
 from ddserve.ddtree.verify import causal_masks
 from ddserve.engine.comm import Communicator, LocalComm
-from ddserve.engine.config import EngineConfig
+from ddserve.engine.config import EngineConfig, resolve_dtype
 from ddserve.engine.drafter import Drafter
 from ddserve.engine.graphs import GraphedForward
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
@@ -53,6 +54,7 @@ class ModelRunner:
 
         cfg, comm = engine_cfg or EngineConfig(), comm or LocalComm()
         dev = torch.device(device or default_device())
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, dev))
         model, model_cfg = load_model(model_path, comm, cfg.torch_dtype, dev, progress=False)
         self._setup(model, model_cfg, comm, cfg, drafter)
 
@@ -66,10 +68,15 @@ class ModelRunner:
         drafter: Drafter | str | Path | None = None,
     ) -> ModelRunner:
         """A runner around an already-built model (benchmarks, tests): no checkpoint is read.
-        The device is the model's; `comm` defaults to the model's communicator."""
+        The device is the model's, and so is the dtype when the config's is "auto"; `comm`
+        defaults to the model's communicator."""
         self = cls.__new__(cls)
         comm = comm or getattr(model, "comm", None) or LocalComm()
-        self._setup(model, model_cfg, comm, engine_cfg or EngineConfig(), drafter)
+        cfg = engine_cfg or EngineConfig()
+        if cfg.dtype == "auto":
+            floating = next(p.dtype for p in model.parameters() if p.is_floating_point())
+            cfg = dataclasses.replace(cfg, dtype=str(floating).removeprefix("torch."))
+        self._setup(model, model_cfg, comm, cfg, drafter)
         return self
 
     def _setup(self, model, model_cfg, comm, engine_cfg, drafter) -> None:

@@ -98,12 +98,26 @@ def moe(device_type: str) -> Callable:
     return impl
 
 
-def prefill_phase():
-    """Context for prompt-chunk forwards: batch-invariant matmuls switch to large-tile,
-    no-split configurations (see `invariant_configs.prefill_phase`)."""
-    from ddserve.kernels.invariant_configs import prefill_phase as phase
+# Prompt-chunk forwards run inside `prefill_phase()`: there the batch-invariant 16-bit matmuls
+# take large-tile, no-split configurations (`invariant_configs.mm_config` reads the phase).
+# Prefill rows are never compared with decode rows (they only write the prompt's KV), so the two
+# phases may differ; each phase on its own is row-invariant.
+_prefill = False
 
-    return phase()
+
+@contextlib.contextmanager
+def prefill_phase() -> Iterator[None]:
+    """The phase for the forwards inside (nesting keeps it); restored on exit."""
+    global _prefill
+    before, _prefill = _prefill, True
+    try:
+        yield
+    finally:
+        _prefill = before
+
+
+def in_prefill_phase() -> bool:
+    return _prefill
 
 
 def device_type(t: torch.Tensor | torch.device) -> str:

@@ -25,20 +25,24 @@ fp32 weights (the Router's gate):
 - "tf32x3": three tf32 tensor-core MMAs per tile (hi*hi + hi*lo + lo*hi, about fp32 accuracy,
   not bitwise equal to torch's fp32 but row-invariant like every configuration here; the default).
 An unknown value of either environment variable logs a warning naming the sets and the default
-is used instead.
+is used instead. Host-side only: this module imports no triton (the CPU engine enters the prefill
+phase too).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-import triton
+
+from ddserve.kernels import backend
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class MMConfig(NamedTuple):
@@ -65,7 +69,7 @@ def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> in
 def _r1(n: int, k: int, heads: int) -> MMConfig:
     bn = 16 if n <= 1024 else 32 if n <= 8192 else 64
     bk = 128 if k >= 128 else 64
-    programs, split = heads * triton.cdiv(n, bn), 1  # round 1's rule: split up to >= 128
+    programs, split = heads * _cdiv(n, bn), 1  # round 1's rule: split up to >= 128
     while split < 8 and programs * split < 128 and k >= 2 * split * 512:
         split *= 2
     return MMConfig(64, bn, bk, split, 4, 3, "")
@@ -73,42 +77,42 @@ def _r1(n: int, k: int, heads: int) -> MMConfig:
 
 def _a(n: int, k: int, heads: int) -> MMConfig:
     bn = 128 if n >= 4096 and k >= 1024 else 64 if n >= 1024 else 32
-    return MMConfig(64, bn, 64, _split(heads * triton.cdiv(n, bn), k, 160, 8, 256), 4, 4, "")
+    return MMConfig(64, bn, 64, _split(heads * _cdiv(n, bn), k, 160, 8, 256), 4, 4, "")
 
 
 def _b(n: int, k: int, heads: int) -> MMConfig:
     big = n * k >= 8 * 2**20
     bm, bn = (128, 128) if big else (64, 128 if n >= 4096 else 64 if n >= 1024 else 32)
-    split = _split(heads * triton.cdiv(n, bn), k, 160, 8, 512)
+    split = _split(heads * _cdiv(n, bn), k, 160, 8, 512)
     return MMConfig(bm, bn, 64, split, 8 if big else 4, 4, "")
 
 
 def _c(n: int, k: int, heads: int) -> MMConfig:
     bn = 256 if n >= 8192 else 128 if n >= 2048 else 64
-    split = _split(heads * triton.cdiv(n, bn), k, 264, 8, 256)
+    split = _split(heads * _cdiv(n, bn), k, 264, 8, 256)
     return MMConfig(64, bn, 64, split, 8 if bn == 256 else 4, 3, "")
 
 
 def _ieee_r1(n: int, k: int, heads: int) -> MMConfig:
     bn = 32 if n > 1024 else 16
-    programs, split = heads * triton.cdiv(n, bn), 1
+    programs, split = heads * _cdiv(n, bn), 1
     while split < 8 and programs * split < 128 and k >= 2 * split * 512:
         split *= 2
     return MMConfig(32, bn, 32, split, 4, 3, "ieee")
 
 
 def _ieee(n: int, k: int, heads: int) -> MMConfig:
-    split = _split(heads * triton.cdiv(n, 32), k, 200, 16, 256)
+    split = _split(heads * _cdiv(n, 32), k, 200, 16, 256)
     return MMConfig(32, 32, 32, split, 4, 3, "ieee")
 
 
 def _ieee64(n: int, k: int, heads: int) -> MMConfig:
-    split = _split(heads * triton.cdiv(n, 64), k, 200, 32, 128)
+    split = _split(heads * _cdiv(n, 64), k, 200, 32, 128)
     return MMConfig(64, 64, 16, split, 4, 3, "ieee")
 
 
 def _tf32x3(n: int, k: int, heads: int) -> MMConfig:
-    split = _split(heads * triton.cdiv(n, 64), k, 200, 32, 128)
+    split = _split(heads * _cdiv(n, 64), k, 200, 32, 128)
     return MMConfig(64, 64, 32, split, 4, 3, "tf32x3")
 
 
@@ -135,26 +139,11 @@ _current = {
 
 
 def _prefill(n: int, k: int, heads: int) -> MMConfig:
-    """Prompt chunks (hundreds to thousands of rows): compute-bound, so large tensor-core tiles
-    and no K split (the split's fp32 partials cost M x N x split bytes). Still a function of the
-    weight only: a prompt's rows do not depend on which other prompts share its chunk."""
+    """Prompt chunks (inside `backend.prefill_phase()`; hundreds to thousands of rows):
+    compute-bound, so large tensor-core tiles and no K split (the split's fp32 partials cost
+    M x N x split bytes). Still a function of the weight only: a prompt's rows do not depend on
+    which other prompts share its chunk."""
     return MMConfig(128, 128 if n >= 128 else 64, 64, 1, 8, 4, "")
-
-
-_phase = {"prefill": False}
-
-
-@contextlib.contextmanager
-def prefill_phase() -> Iterator[None]:
-    """Within: 16-bit matmuls use the prefill configuration. Prefill rows are never compared with
-    decode rows (they only write the prompt's KV), so the two phases may differ; each phase on its
-    own is row-invariant."""
-    before = _phase["prefill"]
-    _phase["prefill"] = True
-    try:
-        yield
-    finally:
-        _phase["prefill"] = before
 
 
 def set_configs(dense: str | None = None, fp32: str | None = None) -> None:
@@ -175,7 +164,7 @@ def mm_config(n: int, k: int, dtype: torch.dtype, heads: int = 1) -> MMConfig:
     """The launch configuration for a [heads, K, N] weight of `dtype` in the current sets."""
     if dtype == torch.float32:
         return _cached(FP32_SETS[_current["fp32"]], n, k, heads)
-    if _phase["prefill"]:
+    if backend.in_prefill_phase():
         return _cached(_prefill, n, k, heads)
     return _cached(DENSE_SETS[_current["dense"]], n, k, heads)
 

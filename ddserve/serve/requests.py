@@ -12,6 +12,7 @@ import jinja2
 from ddserve.sampling import SamplingParams
 from ddserve.serve.chat import encode_chat
 from ddserve.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from ddserve.tokenizer import encode_prompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI's chat default is "the rest of the context". Admission reserves a stream's worst case in
@@ -116,10 +117,8 @@ def prepare_completion(
             )
         prompt = prompt[0]
     vocab = _vocab(tok, model_vocab)
-    if isinstance(prompt, str):  # BOS first, when the tokenizer has one
-        # a raw prompt may spell control tokens on purpose (hand-made templates), as in vLLM
-        bos = getattr(tok, "bos_token_id", None) is not None
-        ids = tok.encode(prompt, add_bos=bos, allow_special=True)
+    if isinstance(prompt, str):  # the offline engine's ids for the same text
+        ids = encode_prompt(tok, prompt)
     else:
         ids = [int(t) for t in prompt]
     _check_token_ids(ids, vocab, "prompt")  # spelled specials can lie past the model's vocab
