@@ -216,3 +216,12 @@ def test_inconsistent_rope_type_names_both():
 def test_unknown_field_is_still_refused_beside_derived_ones():
     with pytest.raises(ValueError, match=r"unsupported config field\(s\) \['v_head_dim_x'\]"):
         ModelConfig.from_hf(KIMI_K2 | {"head_dim": 64, "qk_head_dim": 192, "v_head_dim_x": 128})
+
+
+def test_kimi_k25_text_config_with_derived_fields():
+    text = {k: v for k, v in KIMI_K2.items() if k != "quantization_config"}
+    text |= {"head_dim": 64, "qk_head_dim": 192}
+    raw = {"model_type": "kimi_k25", "text_config": text, "quantization_config": INT4_QUANT_CONFIG}
+    assert ModelConfig.from_hf(raw).qk_head_dim == 192
+    with pytest.raises(ValueError, match="head_dim = 128 is inconsistent"):
+        ModelConfig.from_hf(raw | {"text_config": text | {"head_dim": 128}})
