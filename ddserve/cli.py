@@ -27,7 +27,9 @@ def _generate(sub: argparse._SubParsersAction) -> None:
         description="Offline generation through the same engine the server uses.",
     )
     p.add_argument("--model", default=None, help="checkpoint dir (default: embedded tiny model)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory (default: none)")
+    p.add_argument("--drafter", default=None,
+                   help="DFlash drafter directory (default: the checkpoint's own drafter/ "
+                   "when it has one, as the embedded model does; else autoregressive)")  # fmt: skip
     p.add_argument("--prompt", action="append", required=True, help="prompt; repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -37,7 +39,8 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode/verify forwards from CUDA graphs (pays off for long runs)")
+                   help="replay decode/verify forwards from CUDA graphs (pays off for long "
+                   "runs)")  # fmt: skip
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                    help="batch-invariant GPU kernels: DDTree == plain decoding bit for bit "
                    "(default: on)")  # fmt: skip
@@ -48,13 +51,19 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve an OpenAI-compatible HTTP API (Ray Serve)",
-        description="Start Ray (locally unless --address is given) and serve /v1/completions, "
+        description="Start a private local Ray (or join --address) and serve /v1/completions, "
         "/v1/chat/completions, /v1/models, /health and /metrics. With no --model, serves the "
-        "embedded tiny model (tp=2 on CPU so the distributed path runs).",
+        "embedded tiny model (tp=2 on CPU so the distributed path runs). The deployment is "
+        "checked first (paths, tp, resources): an impossible one exits with status 2 and its "
+        "cause. Ctrl-C or SIGTERM stops the server and the Ray it started.",
     )
     p.add_argument("--model", default=None, help="checkpoint dir (default: embedded tiny model)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
-    p.add_argument("--tp", type=int, default=None, help="TP ranks (default: 2 on CPU, all GPUs)")
+    p.add_argument("--drafter", default=None,
+                   help="DFlash drafter directory (default: the checkpoint's own drafter/ when it "
+                   "has one, as the embedded model does)")  # fmt: skip
+    p.add_argument("--tp", type=int, default=None,
+                   help="TP ranks (default: 2 on CPU, every GPU of one node); must shard the model "
+                   "(heads, vocabulary, expert widths in whole INT4 groups)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-streams", type=int, default=None, help="concurrent streams (default 10)")
@@ -82,7 +91,12 @@ def _serve(sub: argparse._SubParsersAction) -> None:
                    help="batch-invariant GPU kernels, so speculative output equals plain decoding "
                    "bit for bit in bf16 (default: on)")  # fmt: skip
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every step shape once (compile kernels, capture CUDA graphs) before "
+                   "serving (default: on)")  # fmt: skip
+    p.add_argument("--address", default=None,
+                   help="join this Ray cluster (default: start a private local Ray, stopped with "
+                   "the server)")  # fmt: skip
     p.set_defaults(run="ddserve.serve.main:main")
 
 

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ddserve.actors.budget import BudgetTuner
 from ddserve.actors.client import EngineDead, QueueFull, RequestRejected, TokenDelta
@@ -44,6 +45,8 @@ class RouterConfig:
     control: str = "compiled"  # or "fanout"; see shard_group.py
     shard_cpus: float = 0.1
     step_timeout_s: float = 300.0
+    placement_timeout_s: float = 600.0  # waiting for the shards' resources (autoscaling counts)
+    warmup: bool = True  # run every step shape once before serving (warmup.py)
 
     def __post_init__(self) -> None:
         b = self.buckets
@@ -91,8 +94,9 @@ class _Shared:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RouterConfig, pg: Any) -> None:
+        """`pg`: a ready placement group with one bundle per rank (`reserve_shards`)."""
+        self.cfg, self._pg = cfg, pg
         self.info: dict = {}
         self._s = _Shared()
         self._engine: dict[str, _Request] = {}  # admitted streams (step thread only)
@@ -107,42 +111,68 @@ class Router:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> dict:
-        """Place the shards, wire their communicator, load the model, start the step loop."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        """Place the shards in the placement group, wire their communicator, load the model,
+        warm up every step shape, start the step loop. On failure, releases the shards and the
+        placement group before raising."""
+        try:
+            return await self._start()
+        except BaseException:
+            self.shutdown()
+            raise
 
-        from ddserve.actors.shard import ShardWorker
+    async def _start(self) -> dict:
         from ddserve.actors.shard_group import make_group
+        from ddserve.actors.warmup import run_warmup
 
-        spec, gpu = self.cfg.shard, self.cfg.shard.device.startswith("cuda")
-        bundle = {"CPU": self.cfg.shard_cpus, **({"GPU": 1} if gpu else {})}
-        pg = placement_group([bundle] * spec.world_size, strategy="STRICT_PACK" if gpu else "PACK")
-        await pg.ready()
-        actor = ray.remote(ShardWorker)
-        self._shards = [
-            actor.options(
-                num_cpus=self.cfg.shard_cpus,
-                num_gpus=1 if gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
-            ).remote(i, spec)
-            for i in range(spec.world_size)
-        ]
-        comm_id = await self._shards[0].make_comm_id.remote()
-        infos = await asyncio.gather(*[s.setup.remote(comm_id) for s in self._shards])
+        self._shards = self._place_shards()
+        comm_id = await _first_failure(self._shards[0].make_comm_id.remote())
+        infos = await _first_failure(
+            asyncio.gather(*[s.setup.remote(comm_id) for s in self._shards])
+        )
         self.info = {**infos[0], "speculative": self.cfg.speculative and infos[0]["speculative"]}
         self._group = make_group(self.cfg.control, self._shards, self.cfg.step_timeout_s)
+        if self.cfg.warmup:
+            rounds = self._warmup_rounds()
+            await asyncio.to_thread(run_warmup, self._group, rounds, self.info["vocab_size"])
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True).start()
         return self.info
+
+    def _place_shards(self) -> list:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ddserve.actors.shard import ShardWorker
+
+        spec, gpu = self.cfg.shard, self.cfg.shard.device.startswith("cuda")
+        actor = ray.remote(ShardWorker)
+        return [
+            actor.options(
+                num_cpus=self.cfg.shard_cpus,
+                num_gpus=1 if gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),
+            ).remote(i, spec)
+            for i in range(spec.world_size)
+        ]
+
+    def _warmup_rounds(self) -> list:
+        from ddserve.actors.warmup import warmup_rounds
+
+        cfg = self.cfg
+        per_bucket = None
+        if self.info["speculative"]:
+            cands = cfg.budget_candidates
+            per_bucket = [cands or (cfg.bucket(b)[1],) for b in cfg.buckets]
+        return warmup_rounds(cfg.buckets, cfg.max_streams, per_bucket)
 
     async def shards(self) -> list:
         """The shard actor handles, in rank order (diagnostics and fault-injection tests)."""
         return list(self._shards)
 
     def shutdown(self) -> None:
-        """Stop the step loop and release the shards (their devices)."""
+        """Stop the step loop and release the shards (their devices) and the placement group."""
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         self._stopping = True
         self._s.wake.set()
@@ -150,6 +180,10 @@ class Router:
             self._group.close()
         for s in self._shards:
             ray.kill(s)
+        self._shards = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
 
     # ---- EngineClient ----------------------------------------------------------------------
     async def generate(
@@ -303,3 +337,26 @@ class Router:
 
 def with_overrides(cfg: RouterConfig, **shard: object) -> RouterConfig:
     return replace(cfg, shard=replace(cfg.shard, **shard))
+
+
+class StartupError(RuntimeError):
+    """The replica's engine could not start; the message is one line naming the cause."""
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message`."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+async def _first_failure(aw: Any) -> Any:
+    """Awaits the shards' calls; a failed one raises StartupError naming its root cause."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return await aw
+    except RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, BaseException) else e
+        raise StartupError(f"a shard failed to start: {one_line(cause)}") from None
+    except RayActorError as e:
+        raise StartupError(f"a shard died while starting: {one_line(e)}") from None

@@ -11,7 +11,9 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -199,15 +201,22 @@ def default_model_dir() -> Path:
         return final
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=base))
+    t0 = time.perf_counter()
+    _say(f"writing the embedded default model to {final} (first run only, up to a minute)")
     try:
         make_tiny(tmp, int4=True, seed=0)
         os.rename(tmp, final)
+        _say(f"wrote the default model in {time.perf_counter() - t0:.0f} s")
     except OSError:
         if not (final / "config.json").exists():  # not a lost race: a real failure
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _say(line: str) -> None:
+    print(f"ddserve: {line}", file=sys.stderr, flush=True)
 
 
 def main(args) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from ray import serve
 from ddserve.actors.budget import default_candidates
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
+from ddserve.serve import preflight
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,11 @@ class ServeConfig(BaseModel):
     # batch-invariant GPU kernels: DDTree output equals plain decoding bit for bit in bf16
     batch_invariant: bool = True
     shard_cpus: float = Field(0.1, gt=0)
+    # how long a replica waits for its shards' resources before it fails (an autoscaler may
+    # need minutes to launch a GPU node)
+    placement_timeout_s: float = Field(600.0, gt=0)
+    # run every step shape once (compiling kernels, capturing CUDA graphs) before serving
+    warmup: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
@@ -80,28 +87,55 @@ class ServeConfig(BaseModel):
     def _fixed_budgets(self) -> list[int]:
         return [] if self.budgets in (None, "auto") else list(self.budgets)
 
-    def resolve(self) -> tuple[RouterConfig, str]:
-        """(RouterConfig, served model name), filling defaults from the running Ray cluster."""
-        import ray
+    def model_dir(self) -> Path:
+        """The checkpoint directory (the embedded default is written on first use)."""
+        return Path(self.model) if self.model else _default_model()
 
-        model = Path(self.model) if self.model else _default_model()
-        drafter = self.drafter
-        if drafter is None and (model / "drafter" / "config.json").exists():
-            drafter = str(model / "drafter")
-        device = self.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-        tp = self.tp or (2 if device == "cpu" else _gpus_per_node())
+    def drafter_dir(self, model: Path) -> str | None:
+        """`drafter`, or the checkpoint's own `drafter/` when it has one."""
+        if self.drafter is None and (model / "drafter" / "config.json").exists():
+            return str(model / "drafter")
+        return self.drafter
+
+    def placement(self) -> Placement:
+        """Where and how the shards run, filling defaults from the connected Ray cluster."""
+        gpus = max((s.get("GPU", 0) for s in preflight.node_shapes()), default=0)
+        device = self.device if self.device != "auto" else ("cuda" if gpus >= 1 else "cpu")
+        tp = self.tp or (2 if device == "cpu" else int(gpus))
+        if tp < 1:
+            raise preflight.DeploymentError("device cuda, but no node (or node type) has a GPU")
         dtype = (
             self.dtype if self.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
         )
+        return Placement(device, tp, dtype)
+
+    def preflight(self, ray_connected: bool) -> None:
+        """Raises DeploymentError (one line) when the deployment cannot start: missing paths,
+        a tp that does not shard the model, resources no node can offer. Without a Ray
+        connection only the paths and an explicit tp are checked."""
+        model = self.model_dir()
+        preflight.check_paths(model, self.drafter_dir(model))
+        if not ray_connected:
+            if self.tp is not None:
+                preflight.check_sharding(model, self.tp)
+            return
+        where = self.placement()
+        preflight.check_sharding(model, where.tp)
+        preflight.check_resources(where.device, where.tp, self.shard_cpus)
+
+    def resolve(self) -> tuple[RouterConfig, str]:
+        """(RouterConfig, served model name), filling defaults from the running Ray cluster."""
+        model = self.model_dir()
+        drafter = self.drafter_dir(model)
+        where = self.placement()
         spec = ShardSpec(
-            model_path=str(model), world_size=tp, drafter_path=drafter, device=device,
-            num_slots=self.num_slots, budget=max([self.budget, *self._fixed_budgets()]),
-            prefill_chunk=self.prefill_chunk, dtype=dtype,
+            model_path=str(model), world_size=where.tp, drafter_path=drafter,
+            device=where.device, num_slots=self.num_slots,
+            budget=max([self.budget, *self._fixed_budgets()]),
+            prefill_chunk=self.prefill_chunk, dtype=where.dtype,
             seed=self.seed if self.seed is not None else secrets.randbits(31),
             max_streams=self.max_streams,
-            cuda_graphs=self.graphs_on(device, dtype),
+            cuda_graphs=self.graphs_on(where.device, where.dtype),
             graph_buckets=tuple(self.buckets), batch_invariant=self.batch_invariant,
         )  # fmt: skip
         cfg = RouterConfig(
@@ -114,21 +148,24 @@ class ServeConfig(BaseModel):
             budget_candidates=default_candidates(self.budget) if self.budgets == "auto" else None,
             control=self.control,
             shard_cpus=self.shard_cpus,
+            placement_timeout_s=self.placement_timeout_s,
+            warmup=self.warmup,
         )
         default_name = model.name if self.model else "ddserve-tiny"
         return cfg, self.served_model_name or default_name
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # "cpu" or "cuda"
+    tp: int
+    dtype: str
 
 
 def _default_model() -> Path:
     from ddserve.model.tiny import default_model_dir
 
     return default_model_dir()
-
-
-def _gpus_per_node() -> int:
-    import ray
-
-    return int(max(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]))
 
 
 @serve.deployment(
@@ -145,10 +182,10 @@ class OpenAIServer:
         from ddserve.tokenizer import Tokenizer
 
         cfg, name = ServeConfig.model_validate(config).resolve()
+        tok = Tokenizer.from_dir(cfg.shard.model_path)
         replica = serve.get_replica_context().replica_id.unique_id
         self._router, info = await start_router(cfg, name=f"ddserve-router-{replica}")
         ctx = min(info["max_position_embeddings"], cfg.shard.num_slots - cfg.shard.budget - 1)
-        tok = Tokenizer.from_dir(cfg.shard.model_path)
         self._model = ServedModel(name, ctx, tok, info["vocab_size"])
         self._engine = RayEngineClient(self._router)
         log.info(
@@ -179,6 +216,9 @@ class OpenAIServer:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Application builder: `serve run ddserve.serve.app:build_app model=/path tp=8`."""
-    ServeConfig.model_validate(args)  # fail fast, before any replica starts
+    """Application builder: `serve run ddserve.serve.app:build_app model=/path tp=8`. Raises
+    DeploymentError (before any actor starts) when the deployment cannot start."""
+    import ray
+
+    ServeConfig.model_validate(args).preflight(ray_connected=ray.is_initialized())
     return OpenAIServer.bind(dict(args))

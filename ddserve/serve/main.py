@@ -1,63 +1,204 @@
-"""`ddserve serve`: start Ray (or join --address), deploy the app with Serve, serve until Ctrl-C."""
+"""`ddserve serve`: check the deployment, start a private local Ray (or join --address), deploy
+the app with Serve, serve until Ctrl-C or SIGTERM, then stop what it started.
+
+- An impossible deployment (missing paths, a tp that does not shard the model, resources no
+  node offers) exits with status 2 and one line `ddserve: error: <cause>` before any replica
+  starts; a replica that still fails to start exits 1 with its root cause in one line.
+- Without --address, Ray is a new local instance (`address="local"`: never a cluster found
+  on the machine) that dies with this process: `ray.shutdown()` on a normal exit, and a
+  reaper process (reaper.py) for whatever is left when this process is killed.
+- SIGINT and SIGTERM raise KeyboardInterrupt wherever the main thread is: a stop while
+  serving exits 0, one during start-up exits 130; a second one during the stop kills the
+  local Ray at once.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger("ddserve.serve")
+
+APP = "ddserve"
+LOCAL_PLACEMENT_TIMEOUT_S = 60.0  # a private cluster has its resources at once, or never
+DELETE_TIMEOUT_S = 30.0  # removing the app from a shared cluster (--address)
+INTERRUPTED = 130
 
 
 def config_from_args(args) -> dict:
     """The `ddserve serve` flags as ServeConfig arguments (unset flags keep the defaults)."""
     names = ("model", "drafter", "tp", "max_streams", "budget", "buckets", "budgets",
              "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed",
-             "batch_invariant")  # fmt: skip
+             "batch_invariant", "warmup")  # fmt: skip
     cfg = {n: getattr(args, n, None) for n in names}
     cfg["speculative"] = not args.no_speculative
     if getattr(args, "cuda_graphs", None) is not None:
         cfg["cuda_graphs"] = args.cuda_graphs
+    if not getattr(args, "address", None):
+        cfg["placement_timeout_s"] = LOCAL_PLACEMENT_TIMEOUT_S
     return {k: v for k, v in cfg.items() if v is not None}
 
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from ddserve.serve.deployment import ServeConfig
+
+    config = config_from_args(args)
+    _interrupt_on(signal.SIGINT, signal.SIGTERM)
+    try:
+        try:  # paths and an explicit tp need no Ray: fail before starting it
+            ServeConfig.model_validate(config).preflight(ray_connected=False)
+        except ValueError as e:
+            return error(e)
+        return _run(args, config)
+    except KeyboardInterrupt:
+        print("ddserve: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
+def _run(args, config: dict[str, Any]) -> int:
     import ray
     from ray import serve
 
-    from ddserve.serve.deployment import ServeConfig, build_app
+    from ddserve.serve.deployment import build_app
 
-    config = config_from_args(args)
-    ServeConfig.model_validate(config)  # bad flags fail before Ray starts
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        # A private single-machine cluster: no dashboard, and no token auth to set up.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    local = not args.address
     try:
+        _start_ray(args.address)
+        try:
+            app = build_app(config)
+        except ValueError as e:
+            return error(e)
         serve.start(http_options={"host": args.host, "port": args.port})
-        try:  # returns once the replica is up; raises after Serve's constructor retries fail
-            serve.run(build_app(config), name="ddserve", route_prefix="/", blocking=False)
+        try:  # returns once the replica is up (warmed up); raises once Serve gives up on it
+            serve.run(app, name=APP, route_prefix="/", blocking=False)
         except RuntimeError as e:
-            print(f"ddserve: the application failed to start:\n{e}", file=sys.stderr, flush=True)
+            print(f"ddserve: error: the replica failed to start: {deploy_failure(e)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
             return 1
         gcs = ray.get_runtime_context().gcs_address
         print(
             f"ddserve: serving on http://{args.host}:{args.port}/v1 (Ray at {gcs}); Ctrl-C to stop",
             flush=True,
         )
-        while not stop.is_set():
-            time.sleep(0.5)
+        try:
+            while True:
+                time.sleep(3600)  # until a signal raises KeyboardInterrupt
+        except KeyboardInterrupt:
+            return 0  # a requested stop of a running server
     finally:
-        print("ddserve: shutting down", flush=True)
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+        _stop(local)
+
+
+def error(e: BaseException) -> int:
+    """Print `ddserve: error: <cause>` (one line) and return the exit status 2."""
+    print(f"ddserve: error: {one_line_cause(e)}", file=sys.stderr, flush=True)
+    return 2
+
+
+def one_line_cause(e: BaseException) -> str:
+    """A pydantic validation error's messages joined on one line; else the first line."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        parts = [f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg')}" for d in errors()]
+        return "; ".join(parts)
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _start_ray(address: str | None) -> None:
+    import ray
+
+    if address:
+        ray.init(address=address)
+        return
+    from ddserve.serve import reaper
+
+    reaper.start()  # before Ray, so it sees every process Ray starts
+    try:  # ray.init installs a SIGTERM handler that raises SystemExit
+        ray.init(address="local", include_dashboard=False)
+    except (KeyboardInterrupt, SystemExit):
+        # ray.shutdown() of a half-started Ray can abort: exit now. The GCS and the raylet die
+        # with this process; the reaper stops the rest.
+        print("ddserve: interrupted while Ray was starting", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)
+    _interrupt_on(signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(local: bool) -> None:
+    """Local: shut the whole Ray instance down (a second signal kills it at once). --address:
+    delete this app (bounded) and disconnect."""
+    import ray
+
+    print("ddserve: shutting down", file=sys.stderr, flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _kill_local_ray_and_exit)
+    if not local and ray.is_initialized():
+        _bounded(_delete_app, DELETE_TIMEOUT_S)
+    ray.shutdown()
+
+
+def _delete_app() -> None:
+    from ray import serve
+
+    serve.delete(APP)
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    """Run `fn` on a daemon thread; give up waiting after `timeout_s`."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("%s did not finish within %g s; going on", fn.__name__, timeout_s)
+
+
+def _interrupt_on(*sigs: signal.Signals) -> None:
+    for sig in sigs:
+        signal.signal(sig, _raise_interrupt)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _kill_local_ray_and_exit(signum: int, frame: object) -> None:
+    from ray._private import worker
+
+    node = worker._global_node
+    if node is not None and node.head:
+        node.kill_all_processes(check_alive=False, allow_graceful=False)
+    os._exit(INTERRUPTED)
+
+
+_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception))(?:\(\w+\))?: (.*)")
+
+
+def deploy_failure(e: BaseException) -> str:
+    """The root cause of a failed `serve.run`: the innermost exception line of the failed
+    deployment's message (a replica's traceback), else the error's own first line."""
+    try:
+        from ray import serve
+
+        app = serve.status().applications[APP]
+        text = "\n".join([app.message, *(d.message for d in app.deployments.values())])
+    except Exception:  # noqa: BLE001 - the status is a best effort
+        text = ""
+    return root_cause(text) or one_line_cause(e)
+
+
+def root_cause(text: str) -> str | None:
+    """`Type: message` of the last exception line in a traceback text (Serve's wrapping
+    `RuntimeError: Traceback ...` lines skipped), or None."""
+    found = None
+    for line in text.splitlines():
+        m = _EXC_LINE.match(re.sub(r"\x1b\[[0-9;]*m", "", line).strip())
+        if m and not m[2].startswith("Traceback"):
+            found = f"{m[1]}: {m[2]}"
+    return found
