@@ -67,6 +67,20 @@ def data(target) -> DraftData:
     return generate(target, stream, plan, CONTEXT_LAYERS, EOS, "cpu", log=lambda m: None)
 
 
+def test_default_drafter_fits_the_default_target():
+    """6-layer target: context layers 1, 3, 5; ~2M parameters (~4 MB in bf16); valid config."""
+    from ddserve.train.drafter import context_layer_ids
+
+    cfg = ModelConfig.from_hf(target_config(vocab_size=4096, bos_token_id=0, eos_token_id=1))
+    ids = context_layer_ids(cfg.num_hidden_layers, DrafterShape.num_context_layers)
+    assert ids == [1, 3, 5]
+    dcfg = DrafterConfig.from_hf(drafter_config(cfg, DrafterShape(), 4, ids))
+    dcfg.validate(cfg)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashModel(dcfg).parameters())
+    assert 1.5e6 < params < 2.1e6 and dcfg.block_size == 16 and dcfg.depth == 15
+
+
 # ---- (a) the training forward is the serving drafter ---------------------------------------
 
 

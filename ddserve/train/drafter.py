@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -45,6 +46,10 @@ from torch import Tensor, nn
 from ddserve.config import ModelConfig
 from ddserve.drafter.config import SLIDING, DrafterConfig
 from ddserve.drafter.model import DFlashModel
+from ddserve.train.data import load_token_splits
+from ddserve.train.drafter_data import DraftData, GenPlan, acceptance, generate
+from ddserve.train.shapes import special_ids
+from ddserve.train.target_model import TrainTarget
 
 MASK_TENSOR = "mask_embedding"  # [H] in mask_embedding.safetensors
 Log = Callable[[str], None]
@@ -221,7 +226,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     gamma: float | None = 7.0  # DFlash's decay for block size 16 (5 for 10, 4 for 8)
     grad_clip: float = 1.0
-    log_every: int = 50
+    log_every: int = 100
     seed: int = 0
 
 
@@ -241,7 +246,7 @@ def make_optimizer(obj: DraftObjective, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
-def train_step(obj: DraftObjective, batch, cfg: TrainConfig, gen: torch.Generator,
+def train_step(obj: DraftObjective, batch: DraftData, cfg: TrainConfig, gen: torch.Generator,
                autocast: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Forward + backward of one batch (a DraftData); -> (loss, correct [D], count [D])."""
     s = batch.tokens.shape[1]
@@ -255,7 +260,7 @@ def train_step(obj: DraftObjective, batch, cfg: TrainConfig, gen: torch.Generato
     return loss.detach(), correct, count
 
 
-def train(obj: DraftObjective, data, cfg: TrainConfig, seconds: float, autocast: bool,
+def train(obj: DraftObjective, data: DraftData, cfg: TrainConfig, seconds: float, autocast: bool,
           log: Log = print, max_steps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Train until `seconds` pass (or max_steps); -> the log records (loss, per-depth acc)."""
     opt, dev = make_optimizer(obj, cfg), data.tokens.device
@@ -361,12 +366,13 @@ def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (stage 2)")
     p.add_argument("--out", required=True, help="run folder: drafter/, mask_embedding, report")
     p.add_argument("--max-minutes", type=float, default=8.0, help="whole run, wall clock")
-    p.add_argument("--gen-fraction", type=float, default=0.4, help="of the run for train data")
+    p.add_argument("--gen-fraction", type=float, default=0.4,
+                   help="train data generation ends at this fraction of the run")  # fmt: skip
     p.add_argument("--num-seqs", type=int, default=16384, help="train sequences, at most")
     p.add_argument("--eval-seqs", type=int, default=64, help="held-out sequences")
-    p.add_argument("--prompt-lens", default="32,64,128,256")
+    p.add_argument("--prompt-lens", default="32,64,128,256", help="cycled per generated batch")
     p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per prompt")
-    p.add_argument("--gen-batch", type=int, default=256)
+    p.add_argument("--gen-batch", type=int, default=512)
     p.add_argument("--layers", type=int, default=DrafterShape.num_layers)
     p.add_argument("--intermediate", type=int, default=DrafterShape.intermediate_size)
     p.add_argument("--block-size", type=int, default=DrafterShape.block_size)
@@ -377,6 +383,7 @@ def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=TrainConfig.anchors)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--gamma", type=float, default=TrainConfig.gamma, help="0: no decay")
+    p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
     p.add_argument("--budgets", default="1,4,8,16,32,64", help="DDTree budgets to measure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -400,55 +407,59 @@ def _logger(path: Path) -> Log:
     return log
 
 
-EVAL_RESERVE_S = 60.0  # held-out acceptance + writing, kept out of the training time
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Generate data with the target, train until the deadline, measure, write. -> the report."""
-    from ddserve.train.data import load_token_splits
-    from ddserve.train.drafter_data import GenPlan, acceptance, generate
-    from ddserve.train.shapes import special_ids
-    from ddserve.train.target_model import TrainTarget
-
-    t0, out, dev = time.monotonic(), Path(args.out), torch.device(args.device)
-    deadline, log = t0 + 60 * args.max_minutes, _logger(Path(args.out) / "log.txt")
-    cuda = dev.type == "cuda"
-    target = TrainTarget.from_checkpoint(
-        args.target, dev, torch.bfloat16 if cuda else torch.float32
-    )
-    specials = special_ids(args.tokenizer)
-    layer_ids = sorted(set(_ints(args.context_layers))) or context_layer_ids(
+def _drafter_raw(args: argparse.Namespace, target: TrainTarget) -> dict[str, Any]:
+    """config.json of the drafter this run trains."""
+    ids = sorted(set(_ints(args.context_layers))) or context_layer_ids(
         target.cfg.num_hidden_layers, DrafterShape.num_context_layers
     )
     shape = DrafterShape(num_layers=args.layers, intermediate_size=args.intermediate,
                          block_size=args.block_size, sliding_window=args.sliding_window or None,
-                         num_context_layers=len(layer_ids))  # fmt: skip
-    raw = drafter_config(target.cfg, shape, specials["<|mask|>"], layer_ids)
+                         num_context_layers=len(ids))  # fmt: skip
+    mask_id = special_ids(args.tokenizer)["<|mask|>"]
+    return drafter_config(target.cfg, shape, mask_id, ids)
+
+
+def _make_data(args, target: TrainTarget, layer_ids: list[int], gen_end: float,
+               log: Log) -> tuple[DraftData, DraftData]:  # fmt: skip
+    """(train data from the train split until gen_end, held-out data from the eval split)."""
     splits = load_token_splits(args.corpus, args.tokenizer)
-    eos, plens = specials["<|eos|>"], _ints(args.prompt_lens)
-    log(f"target {args.target}: {target.cfg.num_hidden_layers} layers, capture {layer_ids}; "
-        f"drafter {shape}")  # fmt: skip
+    eos, plens, dev = special_ids(args.tokenizer)["<|eos|>"], _ints(args.prompt_lens), args.device
     eval_plan = GenPlan(args.eval_seqs, plens[::2] or plens, args.new_tokens,
                         max(1, args.eval_seqs // 2), args.seed + 1)  # fmt: skip
     heldout = generate(target, splits["eval"], eval_plan, layer_ids, eos, dev, None, log)
     plan = GenPlan(args.num_seqs, plens, args.new_tokens, args.gen_batch, args.seed)
+    return generate(target, splits["train"], plan, layer_ids, eos, dev, gen_end, log), heldout
+
+
+EVAL_RESERVE_S = 60.0  # held-out acceptance + writing, kept out of the training time
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Generate data with the target, train until the deadline, write, measure. -> the report."""
+    t0, out, dev = time.monotonic(), Path(args.out), torch.device(args.device)
+    deadline, log = t0 + 60 * args.max_minutes, _logger(out / "log.txt")
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    target = TrainTarget.from_checkpoint(args.target, dev, dtype)
+    raw = _drafter_raw(args, target)
+    layer_ids = raw["dflash_config"]["target_layer_ids"]
+    log(f"target {args.target}: capture layers {layer_ids}; drafter {raw}")
     gen_end = t0 + args.gen_fraction * 60 * args.max_minutes
-    data = generate(target, splits["train"], plan, layer_ids, eos, dev, gen_end, log)
+    data, heldout = _make_data(args, target, layer_ids, gen_end, log)
     gen_s = time.monotonic() - t0
     embed, head = target.model.embed_tokens.weight, target.lm_head.weight
     obj = DraftObjective(DFlashModel(DrafterConfig.from_hf(raw)), embed, head).to(dev)
     del target
-    cfg = TrainConfig(batch=args.batch, anchors=args.anchors, lr=args.lr,
-                      gamma=args.gamma or None, seed=args.seed)  # fmt: skip
+    cfg = TrainConfig(batch=args.batch, anchors=args.anchors, lr=args.lr, gamma=args.gamma or None,
+                      log_every=args.log_every, seed=args.seed)  # fmt: skip
     seconds = max(deadline - time.monotonic() - EVAL_RESERVE_S, 1.0)
     records = train(obj, data, cfg, seconds, cuda, log, args.max_steps)
-    obj.eval()
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-        measured = acceptance(obj, heldout, obj.cfg.depth, _ints(args.budgets))
     save_drafter(obj, raw, out / "drafter")
     save_mask_embedding(obj, out / "mask_embedding.safetensors")
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+        measured = acceptance(obj.eval(), heldout, obj.cfg.depth, _ints(args.budgets))
     report = {
-        "drafter_config": raw, "train_config": asdict(cfg), "context_layers": layer_ids,
+        "drafter_config": raw, "train_config": asdict(cfg),
         "params": sum(p.numel() for p in obj.model.parameters()),
         "data": _data_stats(data), "heldout": _data_stats(heldout),
         "seconds": {"generate": round(gen_s, 1), "total": round(time.monotonic() - t0, 1)},
@@ -460,20 +471,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _data_stats(data) -> dict[str, int]:
+def _data_stats(data: DraftData) -> dict[str, int]:
     generated = int((data.lengths - data.prompt_lens).sum())
     return {"sequences": len(data), "generated_tokens": generated,
             "tokens": int(data.lengths.sum())}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["patch-target"]:
         p = argparse.ArgumentParser(prog="python -m ddserve.train.drafter patch-target")
-        p.add_argument("--target", required=True)
-        p.add_argument("--mask-embedding", required=True)
+        p.add_argument("--target", required=True, help="target checkpoint to rewrite in place")
+        p.add_argument("--mask-embedding", required=True, help="a run's mask_embedding file")
         args = p.parse_args(argv[1:])
         print(f"wrote the trained mask row into {patch_target(args.target, args.mask_embedding)}")
         return 0

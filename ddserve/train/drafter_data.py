@@ -56,10 +56,6 @@ class DraftData:
         s = int(lengths.max())
         return DraftData(self.tokens[idx, :s], self.hidden[idx, :s], self.prompt_lens[idx], lengths)
 
-    def to(self, device: torch.device | str) -> DraftData:
-        return DraftData(*(t.to(device) for t in (self.tokens, self.hidden, self.prompt_lens,
-                                                   self.lengths)))  # fmt: skip
-
     @staticmethod
     def cat(parts: Sequence[DraftData]) -> DraftData:
         s = max(p.tokens.shape[1] for p in parts)
@@ -114,7 +110,7 @@ class GenPlan:
     num_seqs: int
     prompt_lens: tuple[int, ...] = (32, 64, 128, 256)
     new_tokens: int = 256
-    batch: int = 256
+    batch: int = 512
     seed: int = 0
 
 
@@ -126,7 +122,7 @@ def generate(
     eos_id: int | None,
     device: torch.device | str,
     deadline: float | None = None,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> DraftData:
     """Greedy continuations of random windows of `stream`; stops early at `deadline`
     (time.monotonic()), after at least one batch."""
