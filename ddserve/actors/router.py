@@ -108,6 +108,7 @@ class Router:
         self._stopping = False
         self._shards: list = []
         self._group = None
+        self._warmup_shapes = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -134,6 +135,7 @@ class Router:
         if self.cfg.warmup:
             rounds = self._warmup_rounds()
             await asyncio.to_thread(run_warmup, self._group, rounds, self.info["vocab_size"])
+            self._warmup_shapes = len(rounds)
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True).start()
         return self.info
@@ -235,6 +237,7 @@ class Router:
             "kv_slots_total": self.cfg.shard.num_slots,
             "control": self.cfg.control,
             "bucket_budgets": self._bucket_budgets(),
+            "warmup_shapes": self._warmup_shapes,
             **self._stats.snapshot(),
         }
 

@@ -1,0 +1,91 @@
+"""A Router that cannot start fails with its cause in one line and leaves nothing reserved: no
+placement group, no shard, no CPU or GPU held (a failed replica's retries used to pile up
+placement groups until nothing could be placed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from ddserve.actors.router import RouterConfig, StartupError
+from ddserve.actors.shard import ShardSpec
+
+pytestmark = pytest.mark.slow
+
+CPUS = 1.0
+
+
+@pytest.fixture(scope="module")
+def ray_one_cpu():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=CPUS, num_gpus=0, include_dashboard=False,
+             logging_level="ERROR")  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from ddserve.model.tiny import default_model_dir
+
+    return default_model_dir()
+
+
+def _config(model_dir, tp: int, **kw) -> RouterConfig:
+    spec = ShardSpec(str(model_dir), world_size=tp, drafter_path=str(model_dir / "drafter"),
+                     num_slots=256, budget=4, dtype="float32")  # fmt: skip
+    return RouterConfig(spec, max_streams=2, buckets=(1, 2), control="fanout", **kw)
+
+
+def _released() -> bool:
+    """Every placement group removed and every CPU free again (within a few seconds)."""
+    import ray
+
+    for _ in range(100):
+        groups = ray.util.placement_group_table().values()
+        if all(g["state"] == "REMOVED" for g in groups):
+            if ray.available_resources().get("CPU", 0) >= CPUS:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def test_shards_that_cannot_load_fail_start_and_release_everything(ray_one_cpu, model_dir):
+    from ddserve.actors.remote import start_router
+
+    cfg = _config(model_dir, tp=3, warmup=False)  # 8 heads over 3 ranks
+    with pytest.raises(StartupError, match="num_attention_heads = 8 is not divisible by .* 3"):
+        asyncio.run(start_router(cfg))
+    assert _released()
+
+
+def test_resources_no_node_offers_time_out_and_release_the_group(ray_one_cpu, model_dir):
+    from ddserve.actors.remote import start_router
+
+    cfg = _config(model_dir, tp=2, shard_cpus=0.9, placement_timeout_s=1.0)  # 1.8 of 1 CPU
+    t0 = time.monotonic()
+    with pytest.raises(StartupError, match=r"no node offered 2 x \{'CPU': 0.9\} .* within 1 s"):
+        asyncio.run(start_router(cfg))
+    assert time.monotonic() - t0 < 15
+    assert _released()
+
+
+def test_warmup_runs_every_reachable_bucket_and_leaves_no_stream(ray_one_cpu, model_dir):
+    import ray
+
+    from ddserve.actors.remote import RayEngineClient, start_router
+
+    router, info = asyncio.run(start_router(_config(model_dir, tp=1)))
+    try:
+        stats = asyncio.run(RayEngineClient(router).stats())
+        assert info["speculative"] and stats["warmup_shapes"] == 2  # buckets 1, 2 at budget 4
+        assert stats["kv_slots_used"] == stats["active_streams"] == stats["steps_total"] == 0
+    finally:
+        ray.get(router.shutdown.remote())
+        ray.kill(router)
+    assert _released()
