@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.triton_interp import require_triton
+
+require_triton()
 RANDOM = [
     (t, k, e, bm)
     for t in (1, 2, 7, 48, 200)

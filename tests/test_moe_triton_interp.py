@@ -8,7 +8,9 @@ no tokens, sizes off the tile grid, split-K 1 / 2 / 4, invariant on and off, the
 CUDA-core GEMV up-projection); the TMA up and down kernels (config options, off by default) give
 the pointer kernels' bits; the ablation modes run; with invariant=True a token's row is bitwise the
 same alone as inside bigger batches with different routing of the other tokens (also across the
-host-side token chunking), for the MMA and the GEMV paths.
+host-side token chunking), for the MMA and the GEMV paths. The interpreter runs with
+tests/triton_interp.py's patches (a `tl.dot` whose rows get the same arithmetic wherever they sit
+in the tile), so the bitwise claims hold on any CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.triton_interp import patch_interpreter, require_triton
+
+require_triton()
 # The interpreter rounds fp32 -> bf16 by truncation (measured: 1-ulp differences in dequantized
 # weights), so it sits a little above the GPU's 1e-2 tolerance.
 TOL = 2.5e-2
@@ -196,4 +201,5 @@ def test_invariant_rows_are_bitwise_equal(records):
 
 
 if __name__ == "__main__":
+    patch_interpreter()
     _child()

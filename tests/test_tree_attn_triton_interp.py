@@ -3,10 +3,10 @@ the invariant mode is AR-consistent and batch-invariant bit for bit.
 
 The kernels run in one subprocess with TRITON_INTERPRET=1 (it must be set before triton is
 imported); that process runs this file as a script and prints one JSON line of check results.
-Two interpreter defects of triton 3.6 with numpy 2 are patched there (test-side only): loop bounds
-loaded from memory are 1-element arrays that `int()` refuses, and `tl.dot` on bf16 multiplies the
-raw uint16 bits. Bitwise claims on the interpreter hold for numpy's matmul; the GPU test repeats
-them for tensor-core math.
+The interpreter is patched there (tests/triton_interp.py, test-side only): loop bounds loaded from
+memory, `tl.dot` on bf16, and a `tl.dot` whose every element gets the same arithmetic wherever its
+row sits in the tile (numpy's BLAS does not on AVX2 CPUs), so the bitwise claims test the kernel's
+own promise on any CPU; the GPU test repeats them for tensor-core math.
 """
 
 from __future__ import annotations
@@ -20,32 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.triton_interp import patch_interpreter, require_triton
+
+require_triton()
 ROOT = Path(__file__).resolve().parents[1]
 H, R, P, SCALE = 4, 64, 16, 0.144680
 SMALL = dict(BM=16, BN=16, SPLIT=48)  # tiles and splits small enough to cross them cheaply
-
-
-def _patch_interpreter() -> None:
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as ti
-
-    patch_tensor = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def as_f32(h):
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    create_dot = ti.InterpreterBuilder.create_dot
-    ti._patch_lang_tensor = patched
-    ti.InterpreterBuilder.create_dot = lambda s, a, b, d, *x: create_dot(
-        s, as_f32(a), as_f32(b), d, *x
-    )
 
 
 def _inputs(meta, heads, slots, seed):
@@ -176,5 +156,5 @@ def test_split_tail_launch_same_bits_and_accurate():
 
 
 if __name__ == "__main__":
-    _patch_interpreter()
+    patch_interpreter()
     print(json.dumps(_run_checks()))
