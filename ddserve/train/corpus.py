@@ -126,7 +126,7 @@ def package_source(name: str, any_version: bool = False) -> Source:
     lic = sorted(
         root / f
         for f in rel
-        if ".dist-info" in f.parts[0] and re.match(r"(LICEN[CS]E|COPYING)", f.name, re.I)
+        if f.parts[0].endswith(".dist-info") and re.match(r"(LICEN[CS]E|COPYING)", f.name, re.I)
     )
     return Source(name, dist.version, spdx, declared, root, tuple(files), tuple(lic))
 
@@ -277,8 +277,9 @@ def attribution_md(sources: list[Source]) -> str:
         "",
         "- python-stdlib: the Python standard library, Copyright (c) 2001-2024 Python Software "
         "Foundation; all rights reserved. PSF License Agreement.",
-        "- numpy: Copyright (c) 2005-2025, NumPy Developers. BSD-3-Clause (the package also "
-        "bundles C sources under 0BSD, MIT, Zlib and CC0-1.0; none of those are in the corpus).",
+        "- numpy: Copyright (c) 2005-2025, NumPy Developers. BSD-3-Clause; bundled parts carry "
+        "their own permissive licences (0BSD, MIT, Zlib, CC0-1.0, and BSD-style notices for "
+        "e.g. numpy.ma and numpy.random), all in `licenses/numpy/`.",
         "- scipy: Copyright (c) 2001-2002 Enthought, Inc. 2003, SciPy Developers. BSD-3-Clause "
         "(vendored pure-Python parts keep their own permissive licences, listed in its "
         "LICENSE.txt).",
@@ -287,6 +288,14 @@ def attribution_md(sources: list[Source]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _licence_name(src: Source, f: Path) -> str:
+    """`numpy-2.4.6.dist-info/licenses/numpy/ma/LICENSE` -> `numpy/ma/LICENSE`."""
+    parts = f.relative_to(src.root).parts
+    if parts[0].endswith(".dist-info"):
+        parts = parts[2:] if len(parts) > 2 and parts[1] == "licenses" else parts[1:]
+    return "/".join(parts)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -303,7 +312,7 @@ def write_tar(out: Path, entries: list[Entry], meta: dict[str, bytes], sources: 
             _add(tar, name, data)
         for s in sources:
             for f in s.licence_files:
-                _add(tar, f"licenses/{s.name}/{f.name}", f.read_bytes())
+                _add(tar, f"licenses/{s.name}/{_licence_name(s, f)}", f.read_bytes())
         for e in tqdm(entries, desc="writing " + out.name, unit="file"):
             _add(tar, e.archive_name, e.data)
 
