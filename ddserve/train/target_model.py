@@ -192,6 +192,8 @@ class MoE(nn.Module):
         if self.training:
             self.gate.load += counts.to(self.gate.load.dtype)
         rows = order // k  # [N * k] token of each sorted slot
+        if torch.is_autocast_enabled(x.device.type):  # gather once in bf16, not k copies in fp32
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         xs = x[rows]  # [N * k, D]
         outs = [
             self.experts[e](chunk, self.qat)
@@ -199,7 +201,8 @@ class MoE(nn.Module):
             if chunk.shape[0]
         ]
         y = torch.cat(outs).float() * weights.flatten()[order].unsqueeze(-1)  # [N * k, D]
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, y)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, D]
+        return out.index_add_(0, rows, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         flat = x.flatten(0, 1)  # [N, D]
@@ -262,8 +265,8 @@ class TrainTarget(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> TrainTarget:
-        """An exported HF checkpoint (bf16 or INT4 experts, dequantized) as a TrainTarget in
-        `dtype` on `device`, in eval mode. The routing bias stays float32."""
+        """An exported HF checkpoint (bf16 or INT4 experts, dequantized) as a frozen TrainTarget
+        (eval mode, requires_grad off) in `dtype` on `device`. The router stays float32."""
         from ddserve.train.export import read_checkpoint
 
         hf_config, tensors = read_checkpoint(path)
@@ -272,7 +275,7 @@ class TrainTarget(nn.Module):
             gate.float()  # fp32 router (as ddserve), so the loaded bias is not rounded
         model.model.rotary_emb = RotaryEmbedding(model.cfg, device)  # fp32 inv_freq again
         model.load_state_dict(tensors, strict=True)
-        return model.eval()
+        return model.eval().requires_grad_(False)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
