@@ -15,6 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.triton_interp import require_triton
+
+require_triton()  # the child imports the Triton kernel modules
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
