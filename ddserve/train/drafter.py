@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -46,7 +47,7 @@ from torch import Tensor, nn
 from ddserve.config import ModelConfig
 from ddserve.drafter.config import SLIDING, DrafterConfig
 from ddserve.drafter.model import DFlashModel
-from ddserve.train.data import load_token_splits
+from ddserve.train.data import encode_files, read_corpus
 from ddserve.train.drafter_data import DraftData, GenPlan, acceptance, generate
 from ddserve.train.shapes import special_ids
 from ddserve.train.target_model import TrainTarget
@@ -260,44 +261,56 @@ def train_step(obj: DraftObjective, batch: DraftData, cfg: TrainConfig, gen: tor
     return loss.detach(), correct, count
 
 
+class _Window:
+    """Loss and per-depth top-1 hits summed over the steps since the last record (on device)."""
+
+    def __init__(self, depth: int, device: torch.device) -> None:
+        self.depth, self.device = depth, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.loss = 0, torch.zeros((), device=self.device)
+        self.correct = torch.zeros(self.depth, device=self.device)
+        self.count = torch.zeros(self.depth, device=self.device)
+
+    def add(self, loss: Tensor, correct: Tensor, count: Tensor) -> None:
+        self.steps += 1
+        self.loss, self.correct, self.count = (
+            self.loss + loss,
+            self.correct + correct,
+            self.count + count,
+        )
+
+    def record(self, step: int, seconds: float, log: Log) -> dict[str, Any]:
+        acc = (self.correct / self.count.clamp_min(1)).tolist()
+        rec = {"step": step, "seconds": round(seconds, 1),
+               "loss": float(self.loss) / max(self.steps, 1), "acc": acc}  # fmt: skip
+        picked = " ".join(f"{acc[i - 1]:.2f}" for i in (1, 2, 4, 8, 15) if i <= len(acc))
+        log(f"step {step} {seconds:.0f}s loss {rec['loss']:.3f} acc@1,2,4,8,15 {picked}")
+        self.reset()
+        return rec
+
+
 def train(obj: DraftObjective, data: DraftData, cfg: TrainConfig, seconds: float, autocast: bool,
           log: Log = print, max_steps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Train until `seconds` pass (or max_steps); -> the log records (loss, per-depth acc)."""
     opt, dev = make_optimizer(obj, cfg), data.tokens.device
     gen = torch.Generator(device=dev).manual_seed(cfg.seed)
-    t0, step, records = time.monotonic(), 0, []
-    correct = torch.zeros(obj.cfg.depth, device=dev)
-    count, loss_sum = torch.zeros_like(correct), torch.zeros((), device=dev)
+    t0, step, records, window = time.monotonic(), 0, [], _Window(obj.cfg.depth, dev)
     while time.monotonic() - t0 < seconds and (max_steps is None or step < max_steps):
-        frac = (time.monotonic() - t0) / seconds
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, frac, cfg)
+            g["lr"] = lr_at(step, (time.monotonic() - t0) / seconds, cfg)
         idx = torch.randint(len(data), (cfg.batch,), generator=gen, device=dev)
-        loss, c, n = train_step(obj, data.take(idx), cfg, gen, autocast)
+        window.add(*train_step(obj, data.take(idx), cfg, gen, autocast))
         nn.utils.clip_grad_norm_(obj.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        correct, count, loss_sum = correct + c, count + n, loss_sum + loss
         if step % cfg.log_every == 0:
-            rec = _record(step, time.monotonic() - t0, loss_sum / cfg.log_every, correct, count)
-            records.append(rec)
-            log(f"step {step} {rec['seconds']:.0f}s loss {rec['loss']:.3f} acc@1,2,4,8,15 "
-                + " ".join(f"{a:.2f}" for a in _pick(rec["acc"])))  # fmt: skip
-            correct, count, loss_sum = correct * 0, count * 0, loss_sum * 0
-    if not records or records[-1]["step"] != step:
-        n = step % cfg.log_every or cfg.log_every
-        records.append(_record(step, time.monotonic() - t0, loss_sum / n, correct, count))
+            records.append(window.record(step, time.monotonic() - t0, log))
+    if window.steps:
+        records.append(window.record(step, time.monotonic() - t0, log))
     return records
-
-
-def _record(step: int, seconds: float, loss: Tensor, correct: Tensor, count: Tensor) -> dict:
-    acc = (correct / count.clamp_min(1)).tolist()
-    return {"step": step, "seconds": round(seconds, 1), "loss": float(loss), "acc": acc}
-
-
-def _pick(acc: Sequence[float]) -> list[float]:
-    return [acc[i - 1] for i in (1, 2, 4, 8, 15) if i <= len(acc)]
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -370,6 +383,8 @@ def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
                    help="train data generation ends at this fraction of the run")  # fmt: skip
     p.add_argument("--num-seqs", type=int, default=16384, help="train sequences, at most")
     p.add_argument("--eval-seqs", type=int, default=64, help="held-out sequences")
+    p.add_argument("--prompt-text-mb", type=float, default=24.0,
+                   help="train-split text tokenized for prompts")  # fmt: skip
     p.add_argument("--prompt-lens", default="32,64,128,256", help="cycled per generated batch")
     p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per prompt")
     p.add_argument("--gen-batch", type=int, default=512)
@@ -419,16 +434,33 @@ def _drafter_raw(args: argparse.Namespace, target: TrainTarget) -> dict[str, Any
     return drafter_config(target.cfg, shape, mask_id, ids)
 
 
-def _make_data(args, target: TrainTarget, layer_ids: list[int], gen_end: float,
-               log: Log) -> tuple[DraftData, DraftData]:  # fmt: skip
+def _prompt_streams(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """Token streams to cut prompts from: the whole eval split, and a seeded random subset of
+    the train split's files up to --prompt-text-mb of text (tokenizing all of it would take a
+    fair share of the run, and far more tokens than the prompts need)."""
+    texts = read_corpus(args.corpus)
+    rng = np.random.default_rng(args.seed)
+    train, used = [], 0
+    for i in rng.permutation(len(texts["train"])):
+        if used >= args.prompt_text_mb * 1e6:
+            break
+        train.append(texts["train"][i])
+        used += len(texts["train"][i])
+    return {"train": encode_files(train, args.tokenizer)[0],
+            "eval": encode_files(texts["eval"], args.tokenizer)[0]}  # fmt: skip
+
+
+def _make_data(args: argparse.Namespace, target: TrainTarget, layer_ids: list[int],
+               gen_end: float, log: Log) -> tuple[DraftData, DraftData]:  # fmt: skip
     """(train data from the train split until gen_end, held-out data from the eval split)."""
-    splits = load_token_splits(args.corpus, args.tokenizer)
+    streams = _prompt_streams(args)
+    log(f"prompt streams: { ({k: v.shape[0] for k, v in streams.items()}) } tokens")
     eos, plens, dev = special_ids(args.tokenizer)["<|eos|>"], _ints(args.prompt_lens), args.device
     eval_plan = GenPlan(args.eval_seqs, plens[::2] or plens, args.new_tokens,
                         max(1, args.eval_seqs // 2), args.seed + 1)  # fmt: skip
-    heldout = generate(target, splits["eval"], eval_plan, layer_ids, eos, dev, None, log)
+    heldout = generate(target, streams["eval"], eval_plan, layer_ids, eos, dev, None, log)
     plan = GenPlan(args.num_seqs, plens, args.new_tokens, args.gen_batch, args.seed)
-    return generate(target, splits["train"], plan, layer_ids, eos, dev, gen_end, log), heldout
+    return generate(target, streams["train"], plan, layer_ids, eos, dev, gen_end, log), heldout
 
 
 EVAL_RESERVE_S = 60.0  # held-out acceptance + writing, kept out of the training time
