@@ -91,13 +91,14 @@ def special_ids(tokenizer_dir: str | Path) -> dict[str, int]:
 def target_config(
     tokenizer_dir: str | Path | None = None, tiny: bool = False, **overrides: Any
 ) -> dict[str, Any]:
-    """The target's HF config dict; vocab and bos/eos from the tokenizer when one is given."""
+    """The target's HF config dict; with a tokenizer, its bos/eos ids and its size (rounded up to
+    a multiple of 8 so the vocab splits at tp = 8; the trained tokenizer has exactly 4096)."""
     cfg = {**TARGET_CONFIG, **(TINY_OVERRIDES if tiny else {}), **overrides}
     if tokenizer_dir is not None:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
         ids = special_ids(tokenizer_dir)
-        cfg["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+        cfg["vocab_size"] = -(-tok.get_vocab_size(with_added_tokens=True) // 8) * 8  # TP <= 8
         cfg["bos_token_id"], cfg["eos_token_id"] = ids["<|bos|>"], ids["<|eos|>"]
     return cfg
