@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -47,8 +46,7 @@ from torch import Tensor, nn
 from ddserve.config import ModelConfig
 from ddserve.drafter.config import SLIDING, DrafterConfig
 from ddserve.drafter.model import DFlashModel
-from ddserve.train.data import encode_files, read_corpus
-from ddserve.train.drafter_data import DraftData, GenPlan, acceptance, generate
+from ddserve.train.drafter_data import DraftData, GenPlan, acceptance, generate, prompt_streams
 from ddserve.train.shapes import special_ids
 from ddserve.train.target_model import TrainTarget
 
@@ -434,28 +432,13 @@ def _drafter_raw(args: argparse.Namespace, target: TrainTarget) -> dict[str, Any
     return drafter_config(target.cfg, shape, mask_id, ids)
 
 
-def _prompt_streams(args: argparse.Namespace) -> dict[str, np.ndarray]:
-    """Token streams to cut prompts from: the whole eval split, and a seeded random subset of
-    the train split's files up to --prompt-text-mb of text (tokenizing all of it would take a
-    fair share of the run, and far more tokens than the prompts need)."""
-    texts = read_corpus(args.corpus)
-    rng = np.random.default_rng(args.seed)
-    train, used = [], 0
-    for i in rng.permutation(len(texts["train"])):
-        if used >= args.prompt_text_mb * 1e6:
-            break
-        train.append(texts["train"][i])
-        used += len(texts["train"][i])
-    return {"train": encode_files(train, args.tokenizer)[0],
-            "eval": encode_files(texts["eval"], args.tokenizer)[0]}  # fmt: skip
-
-
 def _make_data(args: argparse.Namespace, target: TrainTarget, layer_ids: list[int],
                gen_end: float, log: Log) -> tuple[DraftData, DraftData]:  # fmt: skip
     """(train data from the train split until gen_end, held-out data from the eval split)."""
-    streams = _prompt_streams(args)
-    log(f"prompt streams: { ({k: v.shape[0] for k, v in streams.items()}) } tokens")
-    eos, plens, dev = special_ids(args.tokenizer)["<|eos|>"], _ints(args.prompt_lens), args.device
+    streams = prompt_streams(args.corpus, args.tokenizer, args.prompt_text_mb, args.seed)
+    sizes = {k: v.shape[0] for k, v in streams.items()}
+    log(f"prompt streams (tokens): {sizes}")
+    plens, eos, dev = _ints(args.prompt_lens), special_ids(args.tokenizer)["<|eos|>"], args.device
     eval_plan = GenPlan(args.eval_seqs, plens[::2] or plens, args.new_tokens,
                         max(1, args.eval_seqs // 2), args.seed + 1)  # fmt: skip
     heldout = generate(target, streams["eval"], eval_plan, layer_ids, eos, dev, None, log)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddserve.ddtree.tree import DraftTree, build_tree
+from ddserve.train.data import encode_files, read_corpus
 
 
 class GreedyTarget(Protocol):
@@ -67,6 +69,23 @@ class DraftData:
             torch.cat([p.prompt_lens for p in parts]),
             torch.cat([p.lengths for p in parts]),
         )
+
+
+def prompt_streams(corpus: str | Path, tokenizer_dir: str | Path, train_text_mb: float,
+                   seed: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """Token streams to cut prompts from: the whole eval split, and a seeded random subset of
+    the train split's files up to `train_text_mb` of text (tokenizing all of it would take a
+    fair share of a run, for far more tokens than the prompts need)."""
+    texts = read_corpus(corpus)
+    rng = np.random.default_rng(seed)
+    train, used = [], 0
+    for i in rng.permutation(len(texts["train"])):
+        if used >= train_text_mb * 1e6:
+            break
+        train.append(texts["train"][i])
+        used += len(texts["train"][i])
+    return {"train": encode_files(train, tokenizer_dir)[0],
+            "eval": encode_files(texts["eval"], tokenizer_dir)[0]}  # fmt: skip
 
 
 def sample_windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> Tensor:
