@@ -109,3 +109,11 @@ def test_cuda_graphs_and_batch_invariance_defaults_and_flags() -> None:
     assert not cfg("--no-cuda-graphs").graphs_on("cuda", "bfloat16")
     assert cfg("--cuda-graphs").graphs_on("cpu", "float32")  # explicit: the engine warns, eager
     assert cfg("--no-batch-invariant").batch_invariant is False
+
+
+def test_serve_cli_waits_briefly_for_local_resources_and_can_skip_warmup() -> None:
+    local = config_from_args(build_parser().parse_args(["serve", "--no-warmup"]))
+    assert local["placement_timeout_s"] == 60.0 and local["warmup"] is False
+    joined = config_from_args(build_parser().parse_args(["serve", "--address", "10.0.0.1:6379"]))
+    cfg = ServeConfig.model_validate(joined)
+    assert cfg.placement_timeout_s == 600.0 and cfg.warmup  # an autoscaler may launch a node

@@ -181,7 +181,9 @@ class OpenAIServer:
         from ddserve.serve.app import ServedModel
         from ddserve.tokenizer import Tokenizer
 
-        cfg, name = ServeConfig.model_validate(config).resolve()
+        serve_cfg = ServeConfig.model_validate(config)
+        serve_cfg.preflight(ray_connected=True)  # again: `serve run module:build_app` has no Ray
+        cfg, name = serve_cfg.resolve()  # connection when it calls the builder
         tok = Tokenizer.from_dir(cfg.shard.model_path)
         replica = serve.get_replica_context().replica_id.unique_id
         self._router, info = await start_router(cfg, name=f"ddserve-router-{replica}")

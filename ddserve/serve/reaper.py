@@ -37,13 +37,13 @@ def start() -> None:
 
 
 def _stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, start time) of a process, or None if it is gone."""
+    """(parent pid, start time) of a process, or None if it is gone (or a zombie)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), int(fields[19])
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
 
 
 def _table() -> dict[int, tuple[int, int]]:

@@ -1,0 +1,51 @@
+"""The reaper `ddserve serve` starts before its local Ray: when the CLI dies, however it dies,
+every process it had started is stopped (Ray's agents otherwise outlive a SIGKILLed driver)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from serve_proc import ddserve_env, session_pids
+
+PARENT = """
+import subprocess, sys, time
+from ddserve.serve import reaper
+reaper.start()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _start_parent() -> tuple[subprocess.Popen, int]:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=ddserve_env(), text=True,
+                              stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    child = int(parent.stdout.readline())
+    time.sleep(2)  # the reaper has recorded the child (it scans every 0.5 s)
+    return parent, child
+
+
+def _session_empty(sid: int, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not session_pids(sid)
+
+
+def test_sigkill_of_the_parent_takes_its_descendants_down() -> None:
+    parent, child = _start_parent()
+    assert child in session_pids(parent.pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    assert _session_empty(parent.pid)  # the child, and the reaper itself
+
+
+def test_a_signal_to_the_whole_group_does_not_stop_the_reaper_before_it_cleans_up() -> None:
+    parent, child = _start_parent()
+    os.killpg(parent.pid, signal.SIGTERM)  # the group the test started: parent, child, reaper
+    parent.wait(10)
+    assert _session_empty(parent.pid)
