@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 MAX_SHARD_BYTES = 15_000_000
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _INT4_FIELDS = ("weight_packed", "weight_scale", "weight_shape")
+# A header entry is `"name":{"dtype":"BF16","shape":[a,b],"data_offsets":[x,y]},` (< 100 + name);
+# plus up to 7 bytes of alignment padding and the `__metadata__` entry, spread over tensors.
+_HEADER_BYTES_PER_TENSOR = 128
 
 
 def _is_expert(name: str) -> bool:
@@ -58,17 +61,22 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], int4: bool) -> dict[str, 
     return {n: out[n].contiguous() for n in sorted(out)}
 
 
+def _file_bytes(name: str, t: torch.Tensor) -> int:
+    """Bytes a tensor adds to a safetensors file: its data and (at most) its header entry."""
+    return t.numel() * t.element_size() + len(name) + _HEADER_BYTES_PER_TENSOR
+
+
 def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names in sorted order, cut into consecutive shards of at most `max_bytes` each."""
+    """Names in sorted order, cut into consecutive shards whose files stay under `max_bytes`."""
     shards: list[list[str]] = [[]]
-    used = 0
+    used = 8  # the header-length prefix
     for name in sorted(tensors):
-        size = tensors[name].numel() * tensors[name].element_size()
+        size = _file_bytes(name, tensors[name])
         if size > max_bytes:
             raise ValueError(f"{name}: {size} bytes does not fit a shard of {max_bytes}")
         if used + size > max_bytes and shards[-1]:
             shards.append([])
-            used = 0
+            used = 8
         shards[-1].append(name)
         used += size
     return shards
