@@ -183,20 +183,27 @@ def test_few_steps_reduce_the_loss(target, data):
 # ---- (c) the written checkpoint serves ------------------------------------------------------
 
 
-def test_trained_checkpoint_serves_with_ddtree_equal_to_greedy(tmp_path, target, data):
-    from ddserve.sampling import SamplingParams
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, target, data):
+    """A drafter trained briefly, written, and the exported INT4 target patched with its row."""
     from ddserve.train.export import export
-    from tests.engine_helpers import make_runner, run_all
 
+    tmp = tmp_path_factory.mktemp("served")
     obj, raw = objective(target, block_size=6)
     cfg = TrainConfig(batch=8, anchors=8, lr=3e-3, warmup_steps=5, log_every=10)
-    train(obj, data, cfg, seconds=60, autocast=False, log=lambda m: None, max_steps=10)
-    model_dir = export(target, tmp_path / "target", tokenizer_dir=None, int4=True)
-    drafter_dir = save_drafter(obj, raw, tmp_path / "drafter")
-    patch_target(model_dir, save_mask_embedding(obj, tmp_path / "mask_embedding.safetensors"))
+    train(obj, data, cfg, seconds=60, autocast=False, log=lambda m: None, max_steps=40)
+    model_dir = export(target, tmp / "target", tokenizer_dir=None, int4=True)
+    drafter_dir = save_drafter(obj, raw, tmp / "drafter")
+    patch_target(model_dir, save_mask_embedding(obj, tmp / "mask_embedding.safetensors"))
+    return obj, model_dir, drafter_dir
 
-    tcfg = ModelConfig.from_hf(model_dir)
-    loaded = load_dflash_model(drafter_dir, tcfg, dtype=torch.float32)
+
+def test_trained_checkpoint_serves_with_ddtree_equal_to_greedy(served, data):
+    from ddserve.sampling import SamplingParams
+    from tests.engine_helpers import make_runner, run_all
+
+    obj, model_dir, drafter_dir = served
+    loaded = load_dflash_model(drafter_dir, ModelConfig.from_hf(model_dir), dtype=torch.float32)
     for name, t in obj.model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], t.to(torch.bfloat16).float())
     prompts = [data.tokens[i, :8].tolist() for i in range(3)]
@@ -207,6 +214,38 @@ def test_trained_checkpoint_serves_with_ddtree_equal_to_greedy(tmp_path, target,
     trained = obj.mask_row.detach().to(torch.bfloat16)  # as the checkpoint stores it
     assert torch.equal(row, trained.to(row.dtype))  # the patched row is what the drafter reads
     assert run_all(runner, prompts, params, speculative=True) == ar
+
+
+def test_heldout_walk_commits_what_the_engine_commits(served, data):
+    """step_commits, run on the engine's own greedy output, predicts every DDTree step's
+    committed count (the target as served: the INT4 checkpoint; the drafter's bf16 weights)."""
+    from ddserve.sampling import SamplingParams
+    from ddserve.train.drafter_data import step_commits
+    from tests.engine_helpers import make_runner, run_all
+
+    obj, model_dir, drafter_dir = served
+    budget, p, new = 4, 8, 30
+    runner = make_runner(model_dir, budget, drafter=drafter_dir)
+    commits: dict[int, list[int]] = {}
+    commit = runner.drafter.commit
+    runner.drafter.commit = lambda sid, ids, h: (
+        commits.setdefault(sid, []).append(len(ids)) or (commit(sid, ids, h))
+    )
+    prompts = [data.tokens[i, :p].tolist() for i in range(4)]
+    out = run_all(runner, prompts, SamplingParams(max_tokens=new, ignore_eos=True), True)
+    served_target = TrainTarget.from_checkpoint(model_dir)
+    seqs = torch.tensor([q + o for q, o in zip(prompts, out, strict=True)])  # [B, P+G]
+    with torch.no_grad():
+        hidden = torch.cat(served_target(seqs, CONTEXT_LAYERS)[1], dim=-1)  # [B, P+G, k*H]
+    n = len(prompts)
+    heldout = DraftData(seqs, hidden, torch.full((n,), p), torch.full((n,), p + new))
+    as_served = load_dflash_model(drafter_dir, served_target.cfg, dtype=torch.float32)
+    emb, head = served_target.model.embed_tokens.weight, served_target.lm_head.weight
+    drafter = DraftObjective(as_served, emb, head)  # the patched row is the table's row
+    walked, _ = step_commits(drafter, heldout, drafter.cfg.depth, [budget])
+    for sid, steps in enumerate(walked[f"budget_{budget}"]):
+        assert steps == commits[sid][: len(steps)]
+    assert max(max(s) for s in walked[f"budget_{budget}"]) > 1  # some drafts were accepted
 
 
 def test_patch_target_changes_only_the_mask_row(tmp_path, target):

@@ -167,10 +167,14 @@ class DraftObjective(nn.Module):
 
     def __init__(self, model: DFlashModel, embed: Tensor, lm_head: Tensor) -> None:
         super().__init__()
-        self.model, self.cfg = model, model.cfg
+        self.model = model
         self.register_buffer("embed", embed.detach().clone(), persistent=False)  # [V, H]
         self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V, H]
         self.mask_row = nn.Parameter(embed[self.cfg.mask_token_id].detach().float().clone())
+
+    @property
+    def cfg(self) -> DrafterConfig:
+        return self.model.cfg
 
     def embed_ids(self, ids: Tensor) -> Tensor:
         """The drafter's view of the target's embedding: [...] -> [..., H] float32."""
@@ -217,7 +221,7 @@ def block_loss(logits: Tensor, labels: Tensor, valid: Tensor,
 
 @dataclass(frozen=True)
 class TrainConfig:
-    batch: int = 32  # sequences per step
+    batch: int = 64  # sequences per step
     anchors: int = 64  # blocks per sequence (DFlash: up to 512 per 3k-token sequence)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1

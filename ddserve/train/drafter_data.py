@@ -195,50 +195,61 @@ def chain_depth(logits: Tensor, labels: Tensor, valid: Tensor) -> Tensor:
     return hit.long().cumprod(dim=1).sum(dim=1)
 
 
-def walk(accepted: dict[int, int], start: int, last_full: int) -> tuple[int, int]:
-    """Decode as the engine does: at anchor a commit accepted[a] + 1 tokens and move on, while a
-    block's labels are all there (a <= last_full). -> (steps, committed tokens)."""
-    a, steps, tokens = start, 0, 0
+def walk(accepted: dict[int, int], start: int, last_full: int) -> list[int]:
+    """Decode as the engine does: at anchor a commit accepted[a] + 1 tokens (the accepted drafts
+    and the new bonus) and move there, while a block's labels are all known (a <= last_full).
+    -> tokens committed by each step."""
+    a, steps = start, []
     while a <= last_full:
-        k = accepted[a]
-        steps, tokens, a = steps + 1, tokens + k + 1, a + k + 1
-    return steps, tokens
+        steps.append(accepted[a] + 1)
+        a += accepted[a] + 1
+    return steps
 
 
-@torch.no_grad()
-def acceptance(logits_fn: LogitsFn, data: DraftData, depth: int, budgets: Sequence[int],
-               batch: int = 8) -> dict[str, Any]:  # fmt: skip
-    """Held-out acceptance at temperature 0: per-depth top-1 accuracy over every anchor, and
-    mean committed tokens per step (accepted + the bonus) for the greedy chain and for DDTree at
-    each budget, by walking each sequence as the engine would. Exact for these sequences: the
-    committed tokens are always the target's greedy tokens, which the data holds."""
-    kinds = ["chain", *(f"budget_{b}" for b in budgets)]
-    steps, tokens = dict.fromkeys(kinds, 0), dict.fromkeys(kinds, 0)
-    correct, count = torch.zeros(depth), torch.zeros(depth)
+def _sequences(logits_fn: LogitsFn, data: DraftData, depth: int, batch: int):
+    """Per sequence: (draft logits [N, D, V], labels [N, D], valid [N, D], anchors, P, length)
+    at every anchor of `every_anchor`."""
     for lo in range(0, len(data), batch):
         part = data.take(torch.arange(lo, min(lo + batch, len(data))))
         anchors, keep = every_anchor(part.prompt_lens, part.lengths)
-        at = anchors[:, :, None] + torch.arange(1, depth + 1, device=anchors.device)
+        at = anchors[:, :, None] + torch.arange(1, depth + 1, device=anchors.device)  # [B, N, D]
         valid = keep[:, :, None] & (at < part.lengths[:, None, None])  # [B, N, D]
         labels = part.tokens.gather(1, at.clamp(max=part.tokens.shape[1] - 1).flatten(1))
         labels = labels.view(at.shape)  # [B, N, D]
         logits = logits_fn(part.tokens, part.hidden, anchors, keep).float()  # [B, N, D, V]
-        hit = (logits.argmax(-1) == labels) & valid
-        correct += hit.sum((0, 1)).cpu()
-        count += valid.sum((0, 1)).cpu()
         for i in range(anchors.shape[0]):
             k = keep[i]
-            lg, lb, vd, an = logits[i][k], labels[i][k], valid[i][k], anchors[i][k].tolist()
-            p, length = int(part.prompt_lens[i]), int(part.lengths[i])
-            per_kind = {"chain": chain_depth(lg, lb, vd)}
-            for b in budgets:
-                per_kind[f"budget_{b}"] = matched_depth(build_tree(lg, b), lb, vd)
-            for kind, acc in per_kind.items():
-                s, t = walk(dict(zip(an, acc.tolist(), strict=True)), p, length - 1 - depth)
-                steps[kind] += s
-                tokens[kind] += t
-    return {
-        "acc_per_depth": (correct / count.clamp_min(1)).tolist(),
-        "committed_per_step": {k: tokens[k] / max(steps[k], 1) for k in kinds},
-        "steps": steps["chain"],
-    }
+            yield (logits[i][k], labels[i][k], valid[i][k], anchors[i][k].tolist(),
+                   int(part.prompt_lens[i]), int(part.lengths[i]))  # fmt: skip
+
+
+@torch.no_grad()
+def step_commits(logits_fn: LogitsFn, data: DraftData, depth: int, budgets: Sequence[int],
+                 batch: int = 8) -> tuple[dict[str, list[list[int]]], Tensor]:  # fmt: skip
+    """At temperature 0, per sequence, the tokens each engine step commits with the greedy
+    chain draft ("chain") and with DDTree at each budget ("budget_N"), from the first generated
+    token on; and the top-1 accuracy per depth [D] over every anchor. Exact for these
+    sequences: every committed token is the target's greedy token, which the data holds."""
+    kinds = ["chain", *(f"budget_{b}" for b in budgets)]
+    commits: dict[str, list[list[int]]] = {k: [] for k in kinds}
+    correct, count = torch.zeros(depth), torch.zeros(depth)
+    for lg, lb, vd, anchors, p, length in _sequences(logits_fn, data, depth, batch):
+        correct += ((lg.argmax(-1) == lb) & vd).sum(0).cpu()
+        count += vd.sum(0).cpu()
+        found = {"chain": chain_depth(lg, lb, vd)}
+        for b in budgets:
+            found[f"budget_{b}"] = matched_depth(build_tree(lg, b), lb, vd)
+        for kind, acc in found.items():
+            accepted = dict(zip(anchors, acc.tolist(), strict=True))
+            commits[kind].append(walk(accepted, p, length - 1 - depth))
+    return commits, correct / count.clamp_min(1)
+
+
+def acceptance(logits_fn: LogitsFn, data: DraftData, depth: int, budgets: Sequence[int],
+               batch: int = 8) -> dict[str, Any]:  # fmt: skip
+    """Held-out summary of `step_commits`: mean committed tokens per step (all steps of all
+    sequences), per-depth top-1 accuracy, and the number of chain steps walked."""
+    commits, acc = step_commits(logits_fn, data, depth, budgets, batch)
+    per_step = {k: sum(map(sum, v)) / max(sum(map(len, v)), 1) for k, v in commits.items()}
+    steps = sum(map(len, commits["chain"]))
+    return {"acc_per_depth": acc.tolist(), "committed_per_step": per_step, "steps": steps}
