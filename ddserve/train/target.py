@@ -178,14 +178,21 @@ class Trainer:
         cfg = target_config(args.tokenizer, tiny=args.tiny)
         model = TrainTarget.from_config(cfg, seed=args.seed).to(self.device).train()
         log = RunLog(vars(args), cfg, count_params(model))
-        log.say(f"params: {log.params}; device {self.device}, bf16 autocast {self.amp}")
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        log.say(f"params: {log.params}; device {where}, bf16 autocast {self.amp}")
         self.load_data(log)
         per_step = args.batch * args.seq_len
         total = max(1, math.ceil(args.tokens / per_step))
         sched = Schedule(total, args.lr, min(args.warmup, total), args.min_lr_frac, args.qat_frac)
         log.say(f"plan: {total} steps x {per_step} tokens = {total * per_step:,} tokens")
-        self.loop(model, sched, log)
-        self.finish(model, sched, log)
+        try:
+            self.loop(model, sched, log)
+        except Exception as e:  # export what was trained: a device call is not to be wasted
+            log.final["error"] = repr(e)
+            log.say(f"training failed ({e!r}); exporting the model as it is")
+            self.finish(model, log)
+            raise
+        self.finish(model, log)
         return log
 
     def loop(self, model: TrainTarget, sched: Schedule, log: RunLog) -> None:
@@ -195,29 +202,32 @@ class Trainer:
         val_wins = self.eval_wins[: args.val_seqs]
         stop_at = self.deadline - args.reserve_s
         t_train = t_log = t_warm = time.time()
-        step = 0
+        step = logged = 0
+        qat = False
         while step < sched.total:
             if time.time() > stop_at:
                 log.say(f"deadline: stopping at step {step} of {sched.total}")
                 break
-            if step == sched.qat_start and sched.qat_frac > 0:
+            if not qat and sched.qat_frac > 0 and step >= sched.qat_start:
                 log.final["before_qat"] = evaluate_both(model, val_wins, args.batch, self.amp)
                 log.say(f"step {step}: INT4 fake-quantized experts from here; held-out subset "
                         f"{log.final['before_qat']}")  # fmt: skip
                 model.set_qat(True)
+                qat = True
             loss = train_step(model, opt, batches.next(), sched.lr_at(step), args, self.amp)
             step += 1
             if step % args.log_every == 0 or step == sched.total:
                 now = time.time()
                 rec = {
-                    "step": step, "loss": round(loss.item(), 4), "lr": sched.lr_at(step - 1),
-                    "tok_per_s": round(args.log_every * args.batch * args.seq_len / (now - t_log)),
+                    "step": step, "of": sched.total, "loss": round(loss.item(), 4),
+                    "lr": sched.lr_at(step - 1),
+                    "tok_per_s": round((step - logged) * args.batch * args.seq_len / (now - t_log)),
                     "imbalance": round(imbalance(model), 3), "epoch": batches.epoch,
                     "elapsed_s": round(now - self.t_start, 1),
                 }  # fmt: skip
                 log.progress.append(rec)
                 print(json.dumps(rec), flush=True)
-                t_log = now
+                t_log, logged = now, step
             model.update_routing_bias(args.bias_gamma)
             if step % args.val_every == 0:
                 val = evaluate(model, val_wins, args.batch, self.amp)
@@ -238,7 +248,7 @@ class Trainer:
         log.final["train_tokens_seen"] = step * args.batch * args.seq_len
         log.timings_s["train"] = round(time.time() - t_train, 1)
 
-    def finish(self, model: TrainTarget, sched: Schedule, log: RunLog) -> None:
+    def finish(self, model: TrainTarget, log: RunLog) -> None:
         args, out = self.args, Path(self.args.out)
         t = time.time()
         log.final["held_out"] = evaluate_both(model, self.eval_wins, args.batch, self.amp)
@@ -254,6 +264,8 @@ class Trainer:
             round(float(max(g.e_score_correction_bias.max() for g in model.gates())), 4),
         ]
         log.final["reloaded_int4_subset"] = self.check_export(ckpt)
+        if self.device.type == "cuda":
+            log.final["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         log.timings_s["total"] = round(time.time() - self.t_start, 1)
         (out / "train_log.json").write_text(json.dumps(asdict(log), indent=1) + "\n")
         log.say(f"wrote {ckpt} and {out / 'train_log.json'} ({log.timings_s['total']} s)")
