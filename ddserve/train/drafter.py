@@ -192,10 +192,11 @@ class DraftObjective(nn.Module):
         x = self.embed_ids(ids).flatten(1, 2)  # [B, N*Q, H]
         pos = (anchors[:, :, None] + torch.arange(q, device=dev)).flatten(1)  # [B, N*Q]
         cos, sin = self.model.rotary.cos_sin(pos, x.dtype)  # [B, N*Q, Dh]
-        full = block_visibility(anchors, keep, s, q, None)
-        sliding = block_visibility(anchors, keep, s, q, self.cfg.sliding_window)
+        kinds = {layer.sliding for layer in self.model.layers}
+        window = self.cfg.sliding_window
+        vis = {k: block_visibility(anchors, keep, s, q, window if k else None) for k in kinds}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], sliding if layer.sliding else full)
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], vis[layer.sliding])
         return self.model.norm(x).view(b, n, q, -1)
 
     def forward(self, tokens: Tensor, hidden: Tensor, anchors: Tensor, keep: Tensor) -> Tensor:
@@ -383,7 +384,7 @@ def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=8.0, help="whole run, wall clock")
     p.add_argument("--gen-fraction", type=float, default=0.4,
                    help="train data generation ends at this fraction of the run")  # fmt: skip
-    p.add_argument("--num-seqs", type=int, default=16384, help="train sequences, at most")
+    p.add_argument("--num-seqs", type=int, default=24576, help="train sequences, at most")
     p.add_argument("--eval-seqs", type=int, default=64, help="held-out sequences")
     p.add_argument("--prompt-text-mb", type=float, default=24.0,
                    help="train-split text tokenized for prompts")  # fmt: skip
