@@ -154,3 +154,14 @@ def test_bias_update_moves_expert_load_toward_balance():
     assert ratios[0] > 3.0  # top-2 of 8: at most 4
     assert ratios[-1] < 0.5 * ratios[0], ratios[::10]
     assert moe.gate.e_score_correction_bias[0] < 0  # the overloaded expert was pushed down
+
+
+def test_from_checkpoint_in_bf16_runs_close_to_float32(exported):
+    path, _ = exported
+    ids = torch.tensor([PROMPTS[0]])
+    ref, _ = TrainTarget.from_checkpoint(path)(ids)
+    model = TrainTarget.from_checkpoint(path, dtype=torch.bfloat16)
+    logits, hidden = model(ids, capture_layers=(1,))
+    assert logits.dtype == hidden[0].dtype == torch.bfloat16
+    assert model.gates()[0].e_score_correction_bias.dtype == torch.float32
+    assert rel_err(logits, ref) < 0.05
