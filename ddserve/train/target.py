@@ -159,7 +159,7 @@ class Trainer:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.amp = self.device.type == "cuda" and not args.fp32
         if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls
         torch.manual_seed(args.seed)
 
     def load_data(self, log: RunLog) -> None:
