@@ -81,6 +81,19 @@ def test_default_drafter_fits_the_default_target():
     assert 1.5e6 < params < 2.1e6 and dcfg.block_size == 16 and dcfg.depth == 15
 
 
+def test_cached_greedy_equals_recomputing_greedy(target):
+    """The key/value-cached generator == re-running the whole prefix each step: the same
+    tokens and the same captured hidden states (float32)."""
+    from ddserve.train.drafter_data import cached_greedy_with_hidden, greedy_with_hidden
+
+    prompts = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(0))
+    ref_tokens, ref_hidden = greedy_with_hidden(target, prompts, 12, CONTEXT_LAYERS)
+    tokens, hidden = cached_greedy_with_hidden(target, prompts, 12, CONTEXT_LAYERS)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-3, rtol=1e-2)  # bf16 storage
+    assert not hidden[:, -1].any() and hidden[:, -2].any()  # only the last row is never context
+
+
 # ---- (a) the training forward is the serving drafter ---------------------------------------
 
 

@@ -384,13 +384,16 @@ def _parse_train(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=8.0, help="whole run, wall clock")
     p.add_argument("--gen-fraction", type=float, default=0.4,
                    help="train data generation ends at this fraction of the run")  # fmt: skip
-    p.add_argument("--num-seqs", type=int, default=24576, help="train sequences, at most")
+    p.add_argument("--num-seqs", type=int, default=32768,
+                   help="train sequences, at most (allocated up front: ~0.8 MB each)")  # fmt: skip
     p.add_argument("--eval-seqs", type=int, default=64, help="held-out sequences")
     p.add_argument("--prompt-text-mb", type=float, default=24.0,
                    help="train-split text tokenized for prompts")  # fmt: skip
     p.add_argument("--prompt-lens", default="32,64,128,256", help="cycled per generated batch")
     p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per prompt")
-    p.add_argument("--gen-batch", type=int, default=512)
+    p.add_argument("--gen-batch", type=int, default=1024)
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="re-run the prefix every generation step (the reference loop)")  # fmt: skip
     p.add_argument("--layers", type=int, default=DrafterShape.num_layers)
     p.add_argument("--intermediate", type=int, default=DrafterShape.intermediate_size)
     p.add_argument("--block-size", type=int, default=DrafterShape.block_size)
@@ -444,10 +447,11 @@ def _make_data(args: argparse.Namespace, target: TrainTarget, layer_ids: list[in
     sizes = {k: v.shape[0] for k, v in streams.items()}
     log(f"prompt streams (tokens): {sizes}")
     plens, eos, dev = _ints(args.prompt_lens), special_ids(args.tokenizer)["<|eos|>"], args.device
+    cache = not args.no_kv_cache
     eval_plan = GenPlan(args.eval_seqs, plens[::2] or plens, args.new_tokens,
-                        max(1, args.eval_seqs // 2), args.seed + 1)  # fmt: skip
+                        max(1, args.eval_seqs // 2), args.seed + 1, cache)  # fmt: skip
     heldout = generate(target, streams["eval"], eval_plan, layer_ids, eos, dev, None, log)
-    plan = GenPlan(args.num_seqs, plens, args.new_tokens, args.gen_batch, args.seed)
+    plan = GenPlan(args.num_seqs, plens, args.new_tokens, args.gen_batch, args.seed, cache)
     return generate(target, streams["train"], plan, layer_ids, eos, dev, gen_end, log), heldout
 
 

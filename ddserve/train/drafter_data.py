@@ -6,10 +6,11 @@ chose greedily (argmax over the full vocabulary, as ddserve decodes at temperatu
 target's captured hidden states at every position: the outputs of decoder layers `layer_ids`,
 concatenated in that order, exactly what ddserve's engine hands the drafter for committed tokens.
 
-The loop is KV-cache free: every step re-runs the target over the whole prefix. Its last step runs
-over the first P+G-1 tokens and also captures the hidden states, so no extra forward is needed; the
-final token's hidden state is never context (context sits strictly before an anchor, and an anchor
-needs a label after it), so it is stored as zeros.
+`cached_greedy_with_hidden` decodes with a key/value cache over `TrainTarget`'s own modules (one
+prefill, then one row per step; each fed token's captured layers are its hidden states);
+`greedy_with_hidden` re-runs the whole prefix every step (the reference a test holds the cached
+loop to). The final token is never fed, and its hidden state is never context (context sits
+strictly before an anchor, and an anchor needs a label after it): it is stored as zeros.
 
 Tokens after the first generated `<|eos|>` are not what ddserve would emit (it stops there):
 `lengths` ends each sequence at that EOS (included), and nothing past it is ever a label.
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,15 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddserve.ddtree.tree import DraftTree, build_tree
+from ddserve.model.rope import apply_rope
 from ddserve.train.data import encode_files, read_corpus
 
-
-class GreedyTarget(Protocol):
-    """What the generator needs from the target (`ddserve.train.target_model.TrainTarget`)."""
-
-    def __call__(
-        self, input_ids: Tensor, capture_layers: Sequence[int] = ()
-    ) -> tuple[Tensor, list[Tensor]]: ...  # [B, T] -> logits [B, T, V], hidden [B, T, H] each
+if TYPE_CHECKING:
+    from ddserve.train.target_model import Attention, TrainTarget
 
 
 @dataclass
@@ -57,18 +54,6 @@ class DraftData:
         lengths = self.lengths[idx]
         s = int(lengths.max())
         return DraftData(self.tokens[idx, :s], self.hidden[idx, :s], self.prompt_lens[idx], lengths)
-
-    @staticmethod
-    def cat(parts: Sequence[DraftData]) -> DraftData:
-        s = max(p.tokens.shape[1] for p in parts)
-        tokens = torch.cat([F.pad(p.tokens, (0, s - p.tokens.shape[1])) for p in parts])
-        hidden = torch.cat([F.pad(p.hidden, (0, 0, 0, s - p.hidden.shape[1])) for p in parts])
-        return DraftData(
-            tokens,
-            hidden,
-            torch.cat([p.prompt_lens for p in parts]),
-            torch.cat([p.lengths for p in parts]),
-        )
 
 
 def prompt_streams(corpus: str | Path, tokenizer_dir: str | Path, train_text_mb: float,
@@ -109,9 +94,10 @@ def valid_lengths(tokens: Tensor, prompt_len: int, eos_id: int | None) -> Tensor
 
 @torch.no_grad()
 def greedy_with_hidden(
-    target: GreedyTarget, prompts: Tensor, new_tokens: int, layer_ids: Sequence[int]
+    target: TrainTarget, prompts: Tensor, new_tokens: int, layer_ids: Sequence[int]
 ) -> tuple[Tensor, Tensor]:
-    """prompts [B, P] -> (tokens [B, P+G] prompt + G greedy tokens, hidden [B, P+G, k*H])."""
+    """prompts [B, P] -> (tokens [B, P+G] prompt + G greedy tokens, hidden [B, P+G, k*H]).
+    Re-runs the prefix every step; the last step (over P+G-1 tokens) also captures."""
     ids = prompts
     for step in range(new_tokens):
         last = step == new_tokens - 1
@@ -122,6 +108,78 @@ def greedy_with_hidden(
     return ids, F.pad(hidden, (0, 0, 0, 1))  # [B, P+G, k*H]: the last row is never context
 
 
+class _KVCache:
+    """One layer's expanded keys [B, T, NH, Dk] and values [B, T, NH, Dv], filled left to right."""
+
+    def __init__(self, b: int, t: int, heads: int, dk: int, dv: int, like: Tensor) -> None:
+        self.k = like.new_zeros(b, t, heads, dk)
+        self.v = like.new_zeros(b, t, heads, dv)
+
+
+def _cached_attention(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor, cache: _KVCache,
+                      start: int) -> Tensor:  # fmt: skip
+    """TrainTarget's MLA (`target_model.Attention.forward`) for new rows x [B, Tn, D] at
+    positions start.., their keys/values appended to `cache`; cos/sin [Tn, 1, P]."""
+    q_nope, q_pe = attn._query(x).split([attn.nope, attn.rope_dim], dim=-1)  # [B, Tn, NH, .]
+    q_pe = apply_rope(q_pe, cos, sin, attn.interleave)
+    c_kv, k_pe = attn.kv_a_proj_with_mqa(x).split([attn.rank, attn.rope_dim], dim=-1)
+    k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin, attn.interleave)  # [B, Tn, 1, P]
+    kv = attn.kv_b_proj(attn.kv_a_layernorm(c_kv)).unflatten(-1, (attn.heads, -1))
+    k_nope, v = kv.split([attn.nope, attn.v_dim], dim=-1)
+    q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)  # [B, Tn, NH, Dk]
+    end = start + x.shape[1]
+    cache.k[:, start:end] = torch.cat([k_nope, k_pe.to(k_nope.dtype).expand_as(q_pe)], dim=-1)
+    cache.v[:, start:end] = v
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), cache.k[:, :end].transpose(1, 2), cache.v[:, :end].transpose(1, 2),
+        is_causal=start == 0, scale=attn.scale,
+    )  # [B, NH, Tn, Dv]: a prefill is causal from 0, a one-row step sees every key  # fmt: skip
+    return attn.o_proj(o.transpose(1, 2).flatten(2))  # [B, Tn, D]
+
+
+def _cached_forward(target: TrainTarget, ids: Tensor, start: int, caches: list[_KVCache],
+                    layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """ids [B, Tn] at positions start.. -> (last-row logits [B, V], hidden [B, Tn, k*H])."""
+    m = target.model
+    pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+    cos, sin = m.rotary_emb.cos_sin(pos, torch.float32)  # [Tn, P]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [Tn, 1, P]
+    x, captured = m.embed_tokens(ids), {}  # [B, Tn, D]
+    for i, layer in enumerate(m.layers):
+        h = _cached_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, caches[i], start)
+        x = x + h
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        captured[i] = x
+    logits = target.lm_head(m.norm(x[:, -1]))  # [B, V]
+    return logits, torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def cached_greedy_with_hidden(
+    target: TrainTarget, prompts: Tensor, new_tokens: int, layer_ids: Sequence[int]
+) -> tuple[Tensor, Tensor]:
+    """`greedy_with_hidden` for a `TrainTarget`, with a key/value cache: one prefill, then one
+    row per step (its captured layers are that token's hidden states)."""
+    b, p = prompts.shape
+    total, cfg = p + new_tokens, target.cfg
+    like = target.model.embed_tokens.weight
+    dk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    heads = cfg.num_attention_heads
+    caches = [_KVCache(b, total, heads, dk, dv, like) for _ in range(cfg.num_hidden_layers)]
+    width = len(layer_ids) * cfg.hidden_size
+    tokens = prompts.new_zeros(b, total)
+    hidden = torch.zeros(b, total, width, dtype=torch.bfloat16, device=prompts.device)
+    tokens[:, :p] = prompts
+    logits, hidden[:, :p] = _cached_forward(target, prompts, 0, caches, layer_ids)
+    for t in range(p, total):
+        tokens[:, t] = logits.argmax(dim=-1)  # [B]
+        if t + 1 < total:  # the last token's hidden state is never context
+            logits, hidden[:, t : t + 1] = _cached_forward(
+                target, tokens[:, t : t + 1], t, caches, layer_ids
+            )
+    return tokens, hidden
+
+
 @dataclass(frozen=True)
 class GenPlan:
     """How much data to make: batches cycle through `prompt_lens` until `num_seqs` or the clock."""
@@ -129,12 +187,13 @@ class GenPlan:
     num_seqs: int
     prompt_lens: tuple[int, ...] = (32, 64, 128, 256)
     new_tokens: int = 256
-    batch: int = 512
+    batch: int = 1024
     seed: int = 0
+    kv_cache: bool = True  # cached_greedy_with_hidden (a TrainTarget), else greedy_with_hidden
 
 
 def generate(
-    target: GreedyTarget,
+    target: TrainTarget,
     stream: np.ndarray,
     plan: GenPlan,
     layer_ids: Sequence[int],
@@ -143,24 +202,34 @@ def generate(
     deadline: float | None = None,
     log: Callable[[str], None] = print,
 ) -> DraftData:
-    """Greedy continuations of random windows of `stream`; stops early at `deadline`
-    (time.monotonic()), after at least one batch."""
+    """Greedy continuations of random windows of `stream`, written into tensors allocated once
+    for `plan.num_seqs` on `device`; stops early at `deadline` (time.monotonic()), after at
+    least one batch."""
     rng = np.random.default_rng(plan.seed)
-    parts: list[DraftData] = []
-    made, t0 = 0, time.monotonic()
-    while made < plan.num_seqs and (not parts or deadline is None or time.monotonic() < deadline):
-        p = plan.prompt_lens[len(parts) % len(plan.prompt_lens)]
-        b = min(plan.batch, plan.num_seqs - made)
-        prompts = sample_windows(stream, b, p, rng).to(device)  # [b, P]
-        tokens, hidden = greedy_with_hidden(target, prompts, plan.new_tokens, layer_ids)
-        lengths = valid_lengths(tokens, p, eos_id)
-        parts.append(DraftData(tokens, hidden, torch.full_like(lengths, p), lengths))
-        made += b
-        dt = time.monotonic() - t0
-        gen = int((lengths - p).sum())
+    s, width = max(plan.prompt_lens) + plan.new_tokens, len(layer_ids) * target.cfg.hidden_size
+    out = DraftData(
+        torch.zeros(plan.num_seqs, s, dtype=torch.long, device=device),
+        torch.zeros(plan.num_seqs, s, width, dtype=torch.bfloat16, device=device),
+        torch.zeros(plan.num_seqs, dtype=torch.long, device=device),
+        torch.zeros(plan.num_seqs, dtype=torch.long, device=device),
+    )
+    greedy = cached_greedy_with_hidden if plan.kv_cache else greedy_with_hidden
+    made, batches, t0 = 0, 0, time.monotonic()
+    while made < plan.num_seqs and (not made or deadline is None or time.monotonic() < deadline):
+        p = plan.prompt_lens[batches % len(plan.prompt_lens)]
+        rows = slice(made, min(made + plan.batch, plan.num_seqs))
+        prompts = sample_windows(stream, rows.stop - made, p, rng).to(device)  # [b, P]
+        tokens, hidden = greedy(target, prompts, plan.new_tokens, layer_ids)  # [b, P+G], ...
+        out.tokens[rows, : tokens.shape[1]] = tokens
+        out.hidden[rows, : tokens.shape[1]] = hidden
+        out.prompt_lens[rows] = p
+        out.lengths[rows] = valid_lengths(tokens, p, eos_id)
+        made, batches, dt = rows.stop, batches + 1, time.monotonic() - t0
+        gen = int((out.lengths[rows] - p).sum())
         log(f"gen: {made} seqs (P={p}, +{gen} tokens), {dt:.1f} s, "
             f"{made * plan.new_tokens / max(dt, 1e-9):.0f} generated tok/s")  # fmt: skip
-    return DraftData.cat(parts)
+    return DraftData(out.tokens[:made], out.hidden[:made], out.prompt_lens[:made],
+                     out.lengths[:made])  # fmt: skip
 
 
 # ---- measuring: acceptance of a drafter on held-out continuations ---------------------------
