@@ -17,10 +17,10 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> str:
     float32 on the CPU keeps DDTree == autoregressive on any x86 CPU: torch's CPU matmuls are not
     batch-invariant (which kernel and reduction order a row gets depends on the row count M and
     on the CPU's ISA), so a verify row and its decode twin differ in the last fp32 bits. In
-    float32 that stays ~1e-7 relative, far below a greedy near-tie; in bfloat16 every op rounds
-    its output to 8 mantissa bits, a last-bit difference becomes a whole bf16 ulp now and then,
-    and bf16 logits tie often enough for a greedy token to flip. GPUs get batch-invariant kernels
-    (`EngineConfig.batch_invariant`) and run bfloat16."""
+    float32 that stays ~1e-7 relative, far below a greedy near-tie; in bfloat16 the ops that
+    accumulate in fp32 inside (the MoE and attention references) round their output to 8 mantissa
+    bits, so a last-bit difference becomes a whole bf16 ulp now and then, and a greedy token flips.
+    GPUs get batch-invariant kernels (`EngineConfig.batch_invariant`) and run bfloat16."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if dtype != "auto":

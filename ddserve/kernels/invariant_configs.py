@@ -25,8 +25,7 @@ fp32 weights (the Router's gate):
 - "tf32x3": three tf32 tensor-core MMAs per tile (hi*hi + hi*lo + lo*hi, about fp32 accuracy,
   not bitwise equal to torch's fp32 but row-invariant like every configuration here; the default).
 An unknown value of either environment variable logs a warning naming the sets and the default
-is used instead. Host-side only: this module imports no triton (the CPU engine enters the prefill
-phase too).
+is used instead. Host-side only: this module imports no triton.
 """
 
 from __future__ import annotations
