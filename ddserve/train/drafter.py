@@ -243,8 +243,8 @@ def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
 
 def make_optimizer(obj: DraftObjective, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; no weight decay on norms or the mask row."""
-    decay = [p for n, p in obj.named_parameters() if p.ndim >= 2]
-    rest = [p for n, p in obj.named_parameters() if p.ndim < 2]
+    decay = [p for p in obj.parameters() if p.ndim >= 2]
+    rest = [p for p in obj.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": rest, "weight_decay": 0.0}]  # fmt: skip
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
