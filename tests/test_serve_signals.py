@@ -21,9 +21,9 @@ CLEAN_S = 30  # every process of its session gone (measured 4-7 s: the reaper's 
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, **env: str) -> None:
         self.proc = subprocess.Popen([*ddserve_cmd(), "serve", "--port", str(free_port())],
-                                     env=ddserve_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                     env=ddserve_env(**env), cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)  # fmt: skip
         self.lines: list[str] = []
@@ -68,7 +68,15 @@ def server():
     s.kill_session()  # only if a test failed half-way
 
 
-def test_sigterm_while_the_replica_starts_stops_everything(server) -> None:
+def test_sigterm_while_the_replica_starts_stops_everything() -> None:
+    server = Server(RAY_ADDRESS="127.0.0.1:1")  # a stale address: ignored, Ray starts locally
+    try:
+        _sigterm_while_the_replica_starts(server)
+    finally:
+        server.kill_session()
+
+
+def _sigterm_while_the_replica_starts(server: Server) -> None:
     server.wait_for("Deploying new version", STARTUP_S)  # Ray up, the replica being created
     rc, took = server.signal_and_wait(signal.SIGTERM)
     assert rc == 130 and took < EXIT_S, "".join(server.lines[-20:])

@@ -24,6 +24,7 @@ from ddserve.actors.budget import BudgetTuner
 from ddserve.actors.client import EngineDead, QueueFull, RequestRejected, TokenDelta
 from ddserve.actors.shard import Command, CommandResult, ShardSpec
 from ddserve.actors.stats import EngineStats
+from ddserve.actors.warmup import WarmupPlan
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class RouterConfig:
     step_timeout_s: float = 300.0
     placement_timeout_s: float = 600.0  # waiting for the shards' resources (autoscaling counts)
     warmup: bool = True  # run every step shape once before serving (warmup.py)
+    warmup_max_prefix: int = 16384  # largest CUDA-graph prefix capacity the warm-up captures
 
     def __post_init__(self) -> None:
         b = self.buckets
@@ -133,9 +135,9 @@ class Router:
         self.info = {**infos[0], "speculative": self.cfg.speculative and infos[0]["speculative"]}
         self._group = make_group(self.cfg.control, self._shards, self.cfg.step_timeout_s)
         if self.cfg.warmup:
-            rounds = self._warmup_rounds()
-            await asyncio.to_thread(run_warmup, self._group, rounds, self.info["vocab_size"])
-            self._warmup_shapes = len(rounds)
+            plan = self._warmup_plan()
+            await asyncio.to_thread(run_warmup, self._group, plan, self.info["vocab_size"])
+            self._warmup_shapes = plan.total
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True).start()
         return self.info
@@ -157,15 +159,22 @@ class Router:
             for i in range(spec.world_size)
         ]
 
-    def _warmup_rounds(self) -> list:
-        from ddserve.actors.warmup import warmup_rounds
+    def _warmup_plan(self) -> WarmupPlan:
+        """Every reachable bucket with each budget it may run, at every graph prefix capacity a
+        stream can reach (bounded by `warmup_max_prefix`, the context and a quarter of the KV
+        pool)."""
+        from ddserve.actors.warmup import WarmupPlan, prefix_capacities, step_shapes
 
-        cfg = self.cfg
+        cfg, spec = self.cfg, self.cfg.shard
         per_bucket = None
         if self.info["speculative"]:
             cands = cfg.budget_candidates
             per_bucket = [cands or (cfg.bucket(b)[1],) for b in cfg.buckets]
-        return warmup_rounds(cfg.buckets, cfg.max_streams, per_bucket)
+        shapes = step_shapes(cfg.buckets, cfg.max_streams, per_bucket)
+        limit = min(cfg.warmup_max_prefix, self.info["max_position_embeddings"],
+                    spec.num_slots // 4)  # fmt: skip
+        graphs = spec.cuda_graphs and spec.device.startswith("cuda")
+        return WarmupPlan(shapes, prefix_capacities(graphs, limit))
 
     async def shards(self) -> list:
         """The shard actor handles, in rank order (diagnostics and fault-injection tests)."""

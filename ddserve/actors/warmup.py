@@ -2,94 +2,188 @@
 
 The first step of each shape compiles its kernels and, with CUDA graphs, captures its graph
 (seconds on a fresh GPU machine; the first requests' TTFT p90 was 3.5 s against 0.17 s warm).
-So before serving, for every batch size bucket a batch can reach and every tree budget it may
-run (per-bucket budgets, or each online candidate), the Router admits that many short dummy
-streams, prefills them, runs one decode step and cancels them, through the same shard group
-and Commands as real traffic. Prefix lengths stay under the smallest graph prefix capacity
-(engine/graphs.py), so larger capacities are still captured on first use. On CPU this is one
-short step per bucket.
+A graph is keyed by (bucket, tree budget, prefix capacity): the batch padded to a bucket, the
+nodes per stream, and the longest prefix rounded up to a power of two >= 256
+(engine/graphs.py). So before serving, for every prefix capacity up to `max_prefix`, the warm-up
+keeps one "anchor" stream whose prefix lies in that capacity, and for every bucket a batch can
+reach and every budget it may run, adds short dummy streams to make up the batch, prefills
+them, runs one decode step and cancels them, through the same Commands as real traffic. The
+anchor is replaced when its prefix would outgrow the capacity. Without CUDA graphs (CPU) only
+the smallest capacity runs: one short step per bucket. Nothing is left behind: every stream is
+cancelled, so the KV pool ends as it started.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
+from itertools import count
+from typing import Any, Protocol
 
-from ddserve.actors.shard import Command
-from ddserve.actors.shard_group import ShardGroup
+from ddserve.actors.shard import Command, CommandResult
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PROMPT_LEN = 8  # tokens per dummy prompt (stream i gets PROMPT_LEN + i: varied chunk shapes)
+PROMPT_LEN = 8  # tokens per short dummy prompt (stream i gets PROMPT_LEN + i)
+MIN_CAPACITY = 256  # the smallest graph prefix capacity (engine/graphs.py)
 MAX_PREFILL_COMMANDS = 10_000
 
 
+class StepRunner(Protocol):
+    """What runs a Command on every rank (`ShardGroup`; or one ShardWorker, without Ray)."""
+
+    def run(self, cmd: Command) -> CommandResult: ...
+
+
 @dataclass(frozen=True)
-class WarmupRound:
+class Shape:
     streams: int  # batch size; pads to `bucket`
     bucket: int
     budget: int | None  # tree budget; None: a plain autoregressive step
 
 
-def warmup_rounds(
-    buckets: tuple[int, ...],
-    max_streams: int,
-    budgets_per_bucket: list[tuple[int, ...]] | None,
-) -> list[WarmupRound]:
-    """One round per reachable bucket and budget. `budgets_per_bucket[i]`: the budgets bucket i
+@dataclass(frozen=True)
+class WarmupPlan:
+    shapes: tuple[Shape, ...]
+    capacities: tuple[int, ...]  # graph prefix capacities, each run with every shape
+
+    @property
+    def total(self) -> int:
+        return len(self.shapes) * len(self.capacities)
+
+
+def step_shapes(
+    buckets: tuple[int, ...], max_streams: int, budgets_per_bucket: list[tuple[int, ...]] | None
+) -> tuple[Shape, ...]:
+    """One shape per reachable bucket and budget. `budgets_per_bucket[i]`: the budgets bucket i
     may run; None: autoregressive steps. A bucket is reachable when up to max_streams streams
     pad to it (more than the previous bucket)."""
-    rounds, prev = [], 0
+    shapes: list[Shape] = []
+    prev = 0
     for i, b in enumerate(buckets):
         n = min(b, max_streams)
         if n <= prev:
             break
         options = budgets_per_bucket[i] if budgets_per_bucket is not None else (None,)
-        rounds += [WarmupRound(n, b, budget) for budget in options]
+        shapes += [Shape(n, b, budget) for budget in options]
         prev = b
-    return rounds
+    return tuple(shapes)
 
 
-def run_warmup(group: ShardGroup, rounds: list[WarmupRound], vocab_size: int) -> float:
-    """Runs every round through `group` (a progress bar in the driver's terminal); returns the
+def prefix_capacities(graphs: bool, max_prefix: int) -> tuple[int, ...]:
+    """256, 512, ... up to `max_prefix` with CUDA graphs; just 256 without (no graph keys)."""
+    caps = [MIN_CAPACITY]
+    while graphs and caps[-1] * 2 <= max_prefix:
+        caps.append(caps[-1] * 2)
+    return tuple(caps)
+
+
+def run_warmup(group: StepRunner, plan: WarmupPlan, vocab_size: int) -> float:
+    """Runs every shape at every capacity through `group` with a progress bar; returns the
     seconds it took. Leaves no stream and no KV slot behind."""
-    from ray.experimental.tqdm_ray import tqdm
-
     t0 = time.perf_counter()
-    bar = tqdm(total=len(rounds), desc="ddserve warm-up (kernels, CUDA graphs)", unit="shape")
-    for k, rnd in enumerate(rounds):
-        _run_round(group, rnd, vocab_size, k)
-        bar.update(1)
+    bar = _progress_bar(plan.total, "ddserve warm-up (kernels, CUDA graphs)")
+    ids = (("warmup", k) for k in count())
+    for cap in plan.capacities:
+        anchor = _Anchor(cap, vocab_size, ids)
+        for shape in plan.shapes:
+            _run_shape(group, shape, anchor, vocab_size, ids)
+            bar.update(1)
+        anchor.drop(group)
     bar.close()
     took = time.perf_counter() - t0
-    log.info("warm-up: %d step shapes in %.1f s", len(rounds), took)
+    log.info("warm-up: %d step shapes in %.1f s", plan.total, took)
     return took
 
 
-def _run_round(group: ShardGroup, rnd: WarmupRound, vocab_size: int, k: int) -> None:
-    """Admit, prefill, one step, cancel."""
-    params = SamplingParams(max_tokens=(rnd.budget or 0) + 2, ignore_eos=True)
-    sids = [("warmup", k, i) for i in range(rnd.streams)]
-    add = tuple((sid, _prompt(i, vocab_size), params) for i, sid in enumerate(sids))
-    res = group.run(Command(add=add, prefill=True))
+class _Anchor:
+    """One stream whose prefix lies in (cap / 2, cap], so a batch holding it uses the graphs of
+    capacity `cap` (a short prompt for the smallest capacity)."""
+
+    def __init__(self, cap: int, vocab_size: int, ids: Iterator[Hashable]) -> None:
+        self.cap, self.ids = cap, ids
+        n = PROMPT_LEN if cap == MIN_CAPACITY else cap // 2 + 1
+        self.prompt = [(5 * j + 1) % vocab_size for j in range(n)]
+        self.sid: Hashable | None = None
+        self.length = 0  # prompt + emitted tokens: at least the prefix the next step sees
+
+    def request(self, budget: int | None) -> tuple[Hashable, list[int], SamplingParams] | None:
+        """A new anchor stream to add when the current one has no room for one more step."""
+        if self.sid is not None and self.length + (budget or 0) + 1 <= self.cap:
+            return None
+        self.sid, self.length = next(self.ids), len(self.prompt)
+        room = max(self.cap - len(self.prompt), 2)
+        return self.sid, self.prompt, SamplingParams(max_tokens=room, ignore_eos=True)
+
+    def record(self, res: CommandResult) -> None:
+        out = res.outputs.get(self.sid)
+        if out is not None:
+            self.length += len(out.tokens)
+            if out.finished is not None:
+                self.sid = None  # the engine has dropped it
+
+    def drop(self, group: StepRunner) -> None:
+        if self.sid is not None:
+            group.run(Command(cancel=(self.sid,)))
+            self.sid = None
+
+
+def _run_shape(
+    group: StepRunner, shape: Shape, anchor: _Anchor, vocab: int, ids: Iterator[Hashable]
+) -> None:
+    """Make up a batch of `shape.streams` (the anchor and short streams), prefill, one step,
+    cancel the short streams."""
+    old = anchor.sid
+    fresh = anchor.request(shape.budget)
+    params = SamplingParams(max_tokens=(shape.budget or 0) + 2, ignore_eos=True)
+    short = [(next(ids), _prompt(i, vocab), params) for i in range(shape.streams - 1)]
+    cancel = (old,) if fresh is not None and old is not None else ()
+    add = ([fresh] if fresh is not None else []) + short
+    res = group.run(Command(cancel=cancel, add=tuple(add), prefill=True))
+    admitted = _prefill(group, res)
+    anchor.record(res)
+    if fresh is not None and anchor.sid not in admitted:
+        log.warning("warm-up: no KV room for a %d-token prefix", len(anchor.prompt))
+        anchor.sid = None
+    kept = (anchor.sid,) if fresh is None and anchor.sid is not None else ()
+    batch = kept + tuple(admitted)
+    if len(batch) < shape.streams:
+        log.warning("warm-up: %d of %d streams fit in the KV cache", len(batch), shape.streams)
+    if batch:
+        res = group.run(Command(step=batch, speculative=shape.budget is not None,
+                                bucket=shape.bucket, budget=shape.budget or 0))  # fmt: skip
+        anchor.record(res)
+    group.run(Command(cancel=tuple(s for s in batch if s != anchor.sid)))
+
+
+def _prefill(group: StepRunner, res: CommandResult) -> list[Hashable]:
+    """Prefill until every admitted stream of `res` has its first token; returns them."""
     admitted, ready = list(res.admitted), set(res.outputs)
     for _ in range(MAX_PREFILL_COMMANDS):
         if ready >= set(admitted):
             break
         ready |= set(group.run(Command(prefill=True)).outputs)
-    if len(admitted) < rnd.streams:
-        log.warning("warm-up: %d of %d streams fit in the KV cache", len(admitted), rnd.streams)
-    step: tuple[Hashable, ...] = tuple(admitted)
-    if step:
-        group.run(
-            Command(step=step, speculative=rnd.budget is not None, bucket=rnd.bucket,
-                    budget=rnd.budget or 0)
-        )  # fmt: skip
-    group.run(Command(cancel=step))
+    return admitted
 
 
 def _prompt(i: int, vocab_size: int) -> list[int]:
     return [(7 * i + j) % vocab_size for j in range(PROMPT_LEN + i)]
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """Inside a Ray actor, a bar drawn by the driver (`ray.experimental.tqdm_ray`); else tqdm."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from ray.experimental.tqdm_ray import tqdm as ray_tqdm
+
+            return ray_tqdm(total=total, desc=desc, unit="shape")
+    except ImportError:
+        pass
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="shape")

@@ -59,8 +59,10 @@ class ServeConfig(BaseModel):
     # how long a replica waits for its shards' resources before it fails (an autoscaler may
     # need minutes to launch a GPU node)
     placement_timeout_s: float = Field(600.0, gt=0)
-    # run every step shape once (compiling kernels, capturing CUDA graphs) before serving
+    # run every step shape once (compiling kernels, capturing CUDA graphs) before serving, for
+    # prefixes up to warmup_max_prefix tokens (longer ones capture their graphs on first use)
     warmup: bool = True
+    warmup_max_prefix: int = Field(16384, ge=256)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
@@ -150,6 +152,7 @@ class ServeConfig(BaseModel):
             shard_cpus=self.shard_cpus,
             placement_timeout_s=self.placement_timeout_s,
             warmup=self.warmup,
+            warmup_max_prefix=self.warmup_max_prefix,
         )
         default_name = model.name if self.model else "ddserve-tiny"
         return cfg, self.served_model_name or default_name

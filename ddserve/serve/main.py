@@ -121,6 +121,7 @@ def _start_ray(address: str | None) -> None:
     from ddserve.serve import reaper
 
     reaper.start()  # before Ray, so it sees every process Ray starts
+    os.environ.pop("RAY_ADDRESS", None)  # not for this Ray's processes either
     print("ddserve: starting a private local Ray", file=sys.stderr, flush=True)
     try:  # ray.init installs a SIGTERM handler that raises SystemExit
         ray.init(address="local", include_dashboard=False)
