@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from ddserve.actors.router import RouterConfig, StartupError
+from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
+from ddserve.actors.startup import StartupError
 
 pytestmark = pytest.mark.slow
 

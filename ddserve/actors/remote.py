@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from ddserve.actors.client import EngineClient, EngineDead, EngineError, TokenDelta
-from ddserve.actors.router import Router, RouterConfig, StartupError
+from ddserve.actors.router import Router, RouterConfig
+from ddserve.actors.startup import reserve_shards
 from ddserve.sampling import SamplingParams
 
 
@@ -32,27 +32,6 @@ async def start_router(cfg: RouterConfig, name: str | None = None) -> tuple[Any,
         remove_placement_group(pg)
         raise
     return router, info
-
-
-async def reserve_shards(cfg: RouterConfig) -> PlacementGroup:
-    """A ready placement group with one bundle per rank (STRICT_PACK on GPUs: one node), or
-    StartupError after `cfg.placement_timeout_s` (the group is removed)."""
-    gpu = cfg.shard.device.startswith("cuda")
-    bundle = {"CPU": cfg.shard_cpus, **({"GPU": 1} if gpu else {})}
-    strategy = "STRICT_PACK" if gpu else "PACK"
-    pg = placement_group([bundle] * cfg.shard.world_size, strategy=strategy)
-    try:
-        await asyncio.wait_for(pg.ready(), cfg.placement_timeout_s)
-    except BaseException as e:
-        remove_placement_group(pg)
-        if not isinstance(e, asyncio.TimeoutError):
-            raise
-        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        raise StartupError(
-            f"no node offered {cfg.shard.world_size} x {bundle} ({strategy}) within "
-            f"{cfg.placement_timeout_s:g} s; free now: {free}"
-        ) from None
-    return pg
 
 
 def _translate(e: BaseException) -> BaseException:

@@ -23,8 +23,9 @@ from typing import Any
 from ddserve.actors.budget import BudgetTuner
 from ddserve.actors.client import EngineDead, QueueFull, RequestRejected, TokenDelta
 from ddserve.actors.shard import Command, CommandResult, ShardSpec
+from ddserve.actors.startup import first_failure
 from ddserve.actors.stats import EngineStats
-from ddserve.actors.warmup import WarmupPlan
+from ddserve.actors.warmup import run_warmup, warmup_plan
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -125,17 +126,16 @@ class Router:
 
     async def _start(self) -> dict:
         from ddserve.actors.shard_group import make_group
-        from ddserve.actors.warmup import run_warmup
 
         self._shards = self._place_shards()
-        comm_id = await _first_failure(self._shards[0].make_comm_id.remote())
-        infos = await _first_failure(
+        comm_id = await first_failure(self._shards[0].make_comm_id.remote())
+        infos = await first_failure(
             asyncio.gather(*[s.setup.remote(comm_id) for s in self._shards])
         )
         self.info = {**infos[0], "speculative": self.cfg.speculative and infos[0]["speculative"]}
         self._group = make_group(self.cfg.control, self._shards, self.cfg.step_timeout_s)
         if self.cfg.warmup:
-            plan = self._warmup_plan()
+            plan = warmup_plan(self.cfg, self.info)
             await asyncio.to_thread(run_warmup, self._group, plan, self.info["vocab_size"])
             self._warmup_shapes = plan.total
         self._loop = asyncio.get_running_loop()
@@ -158,23 +158,6 @@ class Router:
             ).remote(i, spec)
             for i in range(spec.world_size)
         ]
-
-    def _warmup_plan(self) -> WarmupPlan:
-        """Every reachable bucket with each budget it may run, at every graph prefix capacity a
-        stream can reach (bounded by `warmup_max_prefix`, the context and a quarter of the KV
-        pool)."""
-        from ddserve.actors.warmup import WarmupPlan, prefix_capacities, step_shapes
-
-        cfg, spec = self.cfg, self.cfg.shard
-        per_bucket = None
-        if self.info["speculative"]:
-            cands = cfg.budget_candidates
-            per_bucket = [cands or (cfg.bucket(b)[1],) for b in cfg.buckets]
-        shapes = step_shapes(cfg.buckets, cfg.max_streams, per_bucket)
-        limit = min(cfg.warmup_max_prefix, self.info["max_position_embeddings"],
-                    spec.num_slots // 4)  # fmt: skip
-        graphs = spec.cuda_graphs and spec.device.startswith("cuda")
-        return WarmupPlan(shapes, prefix_capacities(graphs, limit))
 
     async def shards(self) -> list:
         """The shard actor handles, in rank order (diagnostics and fault-injection tests)."""
@@ -349,26 +332,3 @@ class Router:
 
 def with_overrides(cfg: RouterConfig, **shard: object) -> RouterConfig:
     return replace(cfg, shard=replace(cfg.shard, **shard))
-
-
-class StartupError(RuntimeError):
-    """The replica's engine could not start; the message is one line naming the cause."""
-
-
-def one_line(e: BaseException) -> str:
-    """`Type: first line of the message`."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-async def _first_failure(aw: Any) -> Any:
-    """Awaits the shards' calls; a failed one raises StartupError naming its root cause."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    try:
-        return await aw
-    except RayTaskError as e:
-        cause = e.cause if isinstance(e.cause, BaseException) else e
-        raise StartupError(f"a shard failed to start: {one_line(cause)}") from None
-    except RayActorError as e:
-        raise StartupError(f"a shard died while starting: {one_line(e)}") from None

@@ -20,10 +20,13 @@ import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from itertools import count
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddserve.actors.shard import Command, CommandResult
 from ddserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ddserve.actors.router import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,20 @@ def prefix_capacities(graphs: bool, max_prefix: int) -> tuple[int, ...]:
     while graphs and caps[-1] * 2 <= max_prefix:
         caps.append(caps[-1] * 2)
     return tuple(caps)
+
+
+def warmup_plan(cfg: RouterConfig, info: dict) -> WarmupPlan:
+    """Every reachable bucket with each budget it may run (per-bucket budgets, or each online
+    candidate; AR steps without a drafter), at every graph prefix capacity a stream can reach,
+    bounded by `cfg.warmup_max_prefix`, the context and a quarter of the KV pool."""
+    spec = cfg.shard
+    per_bucket = None
+    if info["speculative"]:
+        per_bucket = [cfg.budget_candidates or (cfg.bucket(b)[1],) for b in cfg.buckets]
+    shapes = step_shapes(cfg.buckets, cfg.max_streams, per_bucket)
+    limit = min(cfg.warmup_max_prefix, info["max_position_embeddings"], spec.num_slots // 4)
+    graphs = spec.cuda_graphs and spec.device.startswith("cuda")
+    return WarmupPlan(shapes, prefix_capacities(graphs, limit))
 
 
 def run_warmup(group: StepRunner, plan: WarmupPlan, vocab_size: int) -> float:
