@@ -23,10 +23,8 @@ SLOTS = 150  # two 40-token streams fit (each reserves prompt + max_tokens + bud
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from ddserve.model.tiny import default_model_dir
-
-    return default_model_dir()
+def model_dir(tiny_int4_model_dir):
+    return tiny_int4_model_dir  # a random make-tiny model: fast, and any weights do here
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ BOUND_S = 60  # the 2-core CI machine, busy: the failures below take 5-20 s ther
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from ddserve.model.tiny import default_model_dir
-
-    return default_model_dir()
+def model_dir(tiny_int4_model_dir):
+    """A random make-tiny model: it shards at tp = 1, 2, 4 but not 8 (experts of width 128 are
+    4 INT4 groups). The embedded default shards at 8 (tests/test_default_model.py)."""
+    return tiny_int4_model_dir
 
 
 def _ddserve(*args: str) -> tuple[int, list[str], float]:
@@ -41,15 +41,15 @@ def _first_error(lines: list[str]) -> str:
 @pytest.mark.parametrize(
     ("flags", "cause"),
     [
-        (["--tp", "3"], r"tp=3 .*num_attention_heads = 8 is not divisible"),
-        (["--tp", "8"], r"tp=8 .*moe_intermediate_size.*whole INT4 groups"),
+        (["--model", "{tiny}", "--tp", "3"], r"tp=3 .*num_attention_heads = 8 is not divisible"),
+        (["--model", "{tiny}", "--tp", "8"], r"tp=8 .*moe_intermediate_size.*whole INT4 groups"),
         (["--model", "/nonexistent/ckpt"], r"model directory /nonexistent/ckpt does not exist"),
         (["--drafter", "/nonexistent/dflash"], r"drafter directory /nonexistent/dflash does not"),
     ],
     ids=["tp3-heads", "tp8-int4-groups", "missing-model", "missing-drafter"],
 )
 def test_ddserve_serve_exits_at_once_naming_the_cause(model_dir, flags, cause) -> None:
-    rc, lines, took = _ddserve(*flags)
+    rc, lines, took = _ddserve(*(f.format(tiny=model_dir) for f in flags))
     assert rc == 2, lines
     assert re.search(cause, _first_error(lines)), lines
     assert not any("Started a local Ray" in ln for ln in lines)  # failed before Ray
@@ -112,7 +112,7 @@ def test_auto_tp_on_cuda_without_gpus_is_a_clear_error(model_dir, ray_one_cpu) -
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_tp_that_shards_the_embedded_model_passes(model_dir, tp: int) -> None:
+def test_tp_that_shards_the_model_passes(model_dir, tp: int) -> None:
     preflight.check_sharding(model_dir, tp)
 
 

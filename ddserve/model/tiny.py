@@ -1,4 +1,5 @@
-"""`ddserve make-tiny`: a small random checkpoint of the target architecture.
+"""`ddserve make-tiny`: a small random checkpoint of the target architecture; and where the
+embedded default (a trained model, not a random one) lives.
 
 The checkpoint is HF-format (config.json, model.safetensors, tokenizer) so `transformers` loads
 it too. Weights are deterministic from the seed and scaled so greedy decoding is not degenerate.
@@ -9,11 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -188,35 +184,15 @@ def make_tiny(out_dir: str | Path, int4: bool = False, seed: int = 0) -> Path:
     return out
 
 
-DEFAULT_NAME = "tiny-v2-int4-seed0"
+# The served model name of the embedded default (`ddserve serve` without --model).
+DEFAULT_NAME = "ddserve-code-21m"
 
 
 def default_model_dir() -> Path:
-    """The embedded default model (INT4 experts), created once under $DDSERVE_CACHE or
-    ~/.cache/ddserve. Written to a temporary directory and renamed into place, so concurrent
-    callers never see a half-written model."""
-    base = Path(os.environ.get("DDSERVE_CACHE") or Path.home() / ".cache" / "ddserve")
-    final = base / DEFAULT_NAME
-    if (final / "config.json").exists():
-        return final
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=base))
-    t0 = time.perf_counter()
-    _say(f"writing the embedded default model to {final} (first run only, up to a minute)")
-    try:
-        make_tiny(tmp, int4=True, seed=0)
-        os.rename(tmp, final)
-        _say(f"wrote the default model in {time.perf_counter() - t0:.0f} s")
-    except OSError:
-        if not (final / "config.json").exists():  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def _say(line: str) -> None:
-    print(f"ddserve: {line}", file=sys.stderr, flush=True)
+    """The embedded default: a trained ~21M-parameter Python code model (INT4 routed experts)
+    with its DFlash drafter in `drafter/`, shipped as package data in `ddserve/default_model/`
+    (its README.md says how it was trained). Random test models come from `make_tiny`."""
+    return Path(__file__).resolve().parents[1] / "default_model"
 
 
 def main(args) -> int:
