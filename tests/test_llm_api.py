@@ -77,11 +77,10 @@ def test_cli_generate(tiny_model_dir, capsys) -> None:
     assert "tokens/step" in captured.err and captured.out.strip() != ""
 
 
-def test_default_model_and_dflash_drafter_path(tmp_path, monkeypatch) -> None:
+def test_default_model_and_dflash_drafter_path(tmp_path) -> None:
     from ddserve.drafter.tiny import write_tiny_drafter
 
-    monkeypatch.setenv("DDSERVE_CACHE", str(tmp_path / "cache"))
-    plain = LLM(device="cpu", num_slots=256)  # the embedded default checkpoint
+    plain = LLM(device="cpu", num_slots=256)  # the embedded default checkpoint (trained)
     drafter_dir = write_tiny_drafter(tmp_path / "drafter", plain.runner.model_cfg)
     spec = LLM(drafter=drafter_dir, device="cpu", num_slots=256, budget=8)
     sp = SamplingParams(max_tokens=10)
