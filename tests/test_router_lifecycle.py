@@ -76,7 +76,7 @@ def test_resources_no_node_offers_time_out_and_release_the_group(ray_one_cpu, mo
     assert _released()
 
 
-def test_warmup_runs_every_reachable_bucket_and_leaves_no_stream(ray_one_cpu, model_dir):
+def test_warmup_runs_every_batch_size_and_leaves_no_stream(ray_one_cpu, model_dir):
     import ray
 
     from ddserve.actors.remote import RayEngineClient, start_router
@@ -84,7 +84,7 @@ def test_warmup_runs_every_reachable_bucket_and_leaves_no_stream(ray_one_cpu, mo
     router, info = asyncio.run(start_router(_config(model_dir, tp=1)))
     try:
         stats = asyncio.run(RayEngineClient(router).stats())
-        assert info["speculative"] and stats["warmup_shapes"] == 2  # buckets 1, 2 at budget 4
+        assert info["speculative"] and stats["warmup_shapes"] == 2  # 1 and 2 streams at budget 4
         assert stats["kv_slots_used"] == stats["active_streams"] == stats["steps_total"] == 0
     finally:
         ray.get(router.shutdown.remote())

@@ -42,11 +42,11 @@ def worker(tiny_int4_model_dir) -> ShardWorker:
     return w
 
 
-def test_reachable_buckets_and_their_budgets_make_the_shapes() -> None:
+def test_every_batch_size_with_its_buckets_budgets_makes_the_shapes() -> None:
     shapes = step_shapes((1, 2, 4, 8), 3, [(6,), (6,), (3, 6), (6,)])
     assert shapes == (Shape(1, 1, 6), Shape(2, 2, 6), Shape(3, 4, 3), Shape(3, 4, 6))
-    assert step_shapes((1, 2, 4), 4, None) == (Shape(1, 1, None), Shape(2, 2, None),
-                                               Shape(4, 4, None))  # fmt: skip
+    assert step_shapes((1, 4), 4, None) == (Shape(1, 1, None), Shape(2, 4, None),
+                                            Shape(3, 4, None), Shape(4, 4, None))  # fmt: skip
 
 
 def test_capacities_double_up_to_the_limit_with_graphs_only() -> None:

@@ -5,9 +5,10 @@ The first step of each shape compiles its kernels and, with CUDA graphs, capture
 A graph is keyed by (bucket, tree budget, prefix capacity): the batch padded to a bucket, the
 nodes per stream, and the longest prefix rounded up to a power of two >= 256
 (engine/graphs.py). So before serving, for every prefix capacity up to `max_prefix`, the warm-up
-keeps one "anchor" stream whose prefix lies in that capacity, and for every bucket a batch can
-reach and every budget it may run, adds short dummy streams to make up the batch, prefills
-them, runs one decode step and cancels them, through the same Commands as real traffic. The
+keeps one "anchor" stream whose prefix lies in that capacity, and for every batch size up to
+max_streams and every budget its bucket may run, adds short dummy streams to make up the batch,
+prefills them, runs one decode step and cancels them, through the same Commands as real
+traffic. The
 anchor is replaced when its prefix would outgrow the capacity. Without CUDA graphs (CPU) only
 the smallest capacity runs: one short step per bucket. Nothing is left behind: every stream is
 cancelled, so the KV pool ends as it started.
@@ -61,18 +62,15 @@ class WarmupPlan:
 def step_shapes(
     buckets: tuple[int, ...], max_streams: int, budgets_per_bucket: list[tuple[int, ...]] | None
 ) -> tuple[Shape, ...]:
-    """One shape per reachable bucket and budget. `budgets_per_bucket[i]`: the budgets bucket i
-    may run; None: autoregressive steps. A bucket is reachable when up to max_streams streams
-    pad to it (more than the previous bucket)."""
+    """One shape per batch size 1..max_streams (padded to the smallest bucket that holds it) and
+    budget. `budgets_per_bucket[i]`: the budgets bucket i may run; None: autoregressive steps.
+    Every batch size, not only one per bucket: the eager parts of a step (draft, tree build)
+    still pay ~50 ms the first time they see a batch size on a GPU."""
     shapes: list[Shape] = []
-    prev = 0
-    for i, b in enumerate(buckets):
-        n = min(b, max_streams)
-        if n <= prev:
-            break
+    for n in range(1, max_streams + 1):
+        i = next(i for i, b in enumerate(buckets) if b >= n)
         options = budgets_per_bucket[i] if budgets_per_bucket is not None else (None,)
-        shapes += [Shape(n, b, budget) for budget in options]
-        prev = b
+        shapes += [Shape(n, buckets[i], budget) for budget in options]
     return tuple(shapes)
 
 
@@ -85,7 +83,7 @@ def prefix_capacities(graphs: bool, max_prefix: int) -> tuple[int, ...]:
 
 
 def warmup_plan(cfg: RouterConfig, info: dict) -> WarmupPlan:
-    """Every reachable bucket with each budget it may run (per-bucket budgets, or each online
+    """Every batch size with each budget its bucket may run (per-bucket budgets, or each online
     candidate; AR steps without a drafter), at every graph prefix capacity a stream can reach,
     bounded by `cfg.warmup_max_prefix`, the context and a quarter of the KV pool."""
     spec = cfg.shard
