@@ -31,10 +31,8 @@ def ray_one_cpu():
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from ddserve.model.tiny import default_model_dir
-
-    return default_model_dir()
+def model_dir(tiny_int4_model_dir):
+    return tiny_int4_model_dir  # a random make-tiny model (8 heads): fast, and any weights do
 
 
 def _config(model_dir, tp: int, **kw) -> RouterConfig:
