@@ -32,7 +32,8 @@ class ServeConfig(BaseModel):
 
     model: str | None = None  # checkpoint directory; None: the embedded tiny model
     drafter: str | None = None  # DFlash drafter directory; None: the model's own `drafter/`
-    served_model_name: str | None = None  # default: the checkpoint directory's name
+    # default: the checkpoint directory's name (the embedded default's: ddserve-code-21m)
+    served_model_name: str | None = None
     tp: int | None = Field(None, ge=1)  # None: 2 on CPU, every GPU of one node
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 GPU, fp32 CPU
@@ -154,8 +155,7 @@ class ServeConfig(BaseModel):
             warmup=self.warmup,
             warmup_max_prefix=self.warmup_max_prefix,
         )
-        default_name = model.name if self.model else "ddserve-tiny"
-        return cfg, self.served_model_name or default_name
+        return cfg, self.served_model_name or (model.name if self.model else _default_name())
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,12 @@ def _default_model() -> Path:
     from ddserve.model.tiny import default_model_dir
 
     return default_model_dir()
+
+
+def _default_name() -> str:
+    from ddserve.model.tiny import DEFAULT_NAME
+
+    return DEFAULT_NAME
 
 
 @serve.deployment(
