@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 import yaml
 from serve_proc import ROOT, ddserve_cmd, ddserve_env
 
@@ -45,9 +46,13 @@ def _first_error(lines: list[str]) -> str:
         (["--model", "{tiny}", "--tp", "8"], r"tp=8 .*moe_intermediate_size.*whole INT4 groups"),
         (["--model", "/nonexistent/ckpt"], r"model directory /nonexistent/ckpt does not exist"),
         (["--drafter", "/nonexistent/dflash"], r"drafter directory /nonexistent/dflash does not"),
+        (["--tp", "3"], r"tp=3 .*default_model: vocab_size = 4096 is not divisible"),
+        pytest.param(["--tp", "2", "--device", "cuda"], r"tp=2 on cuda needs 2 GPUs on one node",
+                     marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has GPUs")),
     ],
-    ids=["tp3-heads", "tp8-int4-groups", "missing-model", "missing-drafter"],
-)
+    ids=["tp3-heads", "tp8-int4-groups", "missing-model", "missing-drafter", "embedded-tp3",
+         "gpus-missing"],
+)  # fmt: skip
 def test_ddserve_serve_exits_at_once_naming_the_cause(model_dir, flags, cause) -> None:
     rc, lines, took = _ddserve(*(f.format(tiny=model_dir) for f in flags))
     assert rc == 2, lines
@@ -116,14 +121,13 @@ def test_tp_that_shards_the_model_passes(model_dir, tp: int) -> None:
     preflight.check_sharding(model_dir, tp)
 
 
-def test_gpus_on_separate_nodes_do_not_host_a_strict_pack_replica(monkeypatch) -> None:
+def test_gpus_on_separate_nodes_do_not_host_a_strict_pack_replica() -> None:
     nodes = [{"CPU": 16, "GPU": 4}, {"CPU": 16, "GPU": 4}]
-    monkeypatch.setattr(preflight, "node_shapes", lambda: nodes)
-    preflight.check_resources("cuda", 4, 0.1)
+    preflight.check_resources("cuda", 4, 0.1, nodes)
     with pytest.raises(preflight.DeploymentError, match="needs 8 GPUs on one node.* is 4"):
-        preflight.check_resources("cuda", 8, 0.1)
+        preflight.check_resources("cuda", 8, 0.1, nodes)
     nodes.append({"CPU": 192, "GPU": 8})  # a node type the autoscaler can launch
-    preflight.check_resources("cuda", 8, 0.1)
+    preflight.check_resources("cuda", 8, 0.1, nodes)
 
 
 def test_config_errors_become_one_line() -> None:

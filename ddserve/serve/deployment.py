@@ -100,9 +100,11 @@ class ServeConfig(BaseModel):
             return str(model / "drafter")
         return self.drafter
 
-    def placement(self) -> Placement:
-        """Where and how the shards run, filling defaults from the connected Ray cluster."""
-        gpus = max((s.get("GPU", 0) for s in preflight.node_shapes()), default=0)
+    def placement(self, nodes: list[dict[str, float]] | None = None) -> Placement:
+        """Where and how the shards run, filling defaults from `nodes` (the resources of each
+        node; default: the connected Ray cluster's, autoscaler node types included)."""
+        nodes = preflight.node_shapes() if nodes is None else nodes
+        gpus = max((s.get("GPU", 0) for s in nodes), default=0)
         device = self.device if self.device != "auto" else ("cuda" if gpus >= 1 else "cpu")
         tp = self.tp or (2 if device == "cpu" else int(gpus))
         if tp < 1:
@@ -112,19 +114,19 @@ class ServeConfig(BaseModel):
         )
         return Placement(device, tp, dtype)
 
-    def preflight(self, ray_connected: bool) -> None:
-        """Raises DeploymentError (one line) when the deployment cannot start: missing paths,
-        a tp that does not shard the model, resources no node can offer. Without a Ray
-        connection only the paths and an explicit tp are checked."""
+    def preflight(self, nodes: list[dict[str, float]] | None) -> None:
+        """Raises DeploymentError (one line) when the deployment cannot start on these nodes:
+        missing paths, a tp that does not shard the model, resources no node offers. With
+        `nodes` None (cluster unknown yet) only the paths and an explicit tp are checked."""
         model = self.model_dir()
         preflight.check_paths(model, self.drafter_dir(model))
-        if not ray_connected:
+        if nodes is None:
             if self.tp is not None:
                 preflight.check_sharding(model, self.tp)
             return
-        where = self.placement()
+        where = self.placement(nodes)
         preflight.check_sharding(model, where.tp)
-        preflight.check_resources(where.device, where.tp, self.shard_cpus)
+        preflight.check_resources(where.device, where.tp, self.shard_cpus, nodes)
 
     def resolve(self) -> tuple[RouterConfig, str]:
         """(RouterConfig, served model name), filling defaults from the running Ray cluster."""
@@ -191,8 +193,9 @@ class OpenAIServer:
         from ddserve.tokenizer import Tokenizer
 
         serve_cfg = ServeConfig.model_validate(config)
-        serve_cfg.preflight(ray_connected=True)  # again: `serve run module:build_app` has no Ray
-        cfg, name = serve_cfg.resolve()  # connection when it calls the builder
+        # again: `serve run module:build_app` calls the builder before it connects to Ray
+        serve_cfg.preflight(preflight.node_shapes())
+        cfg, name = serve_cfg.resolve()
         tok = Tokenizer.from_dir(cfg.shard.model_path)
         replica = serve.get_replica_context().replica_id.unique_id
         self._router, info = await start_router(cfg, name=f"ddserve-router-{replica}")
@@ -231,5 +234,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     DeploymentError (before any actor starts) when the deployment cannot start."""
     import ray
 
-    ServeConfig.model_validate(args).preflight(ray_connected=ray.is_initialized())
+    nodes = preflight.node_shapes() if ray.is_initialized() else None
+    ServeConfig.model_validate(args).preflight(nodes)
     return OpenAIServer.bind(dict(args))

@@ -47,13 +47,15 @@ def config_from_args(args) -> dict:
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from ddserve.serve import preflight
     from ddserve.serve.deployment import ServeConfig
 
     config = config_from_args(args)
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
-        try:  # paths and an explicit tp need no Ray: fail before starting it
-            ServeConfig.model_validate(config).preflight(ray_connected=False)
+        try:  # before starting Ray: a local one would offer this machine's CPUs and GPUs
+            nodes = None if args.address else [preflight.local_node()]
+            ServeConfig.model_validate(config).preflight(nodes)
         except ValueError as e:
             return error(e)
         return _run(args, config)

@@ -14,6 +14,7 @@ instead of replicas failing (or waiting for resources) again and again:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -61,10 +62,11 @@ def check_sharding(model: Path, tp: int) -> None:
         raise DeploymentError(f"tp={tp} cannot shard the model in {model}: {e}") from None
 
 
-def check_resources(device: str, tp: int, shard_cpus: float) -> None:
-    """Raises DeploymentError unless the connected Ray cluster (alive nodes, or node types its
-    autoscaler can launch) can host one replica's `tp` shards."""
-    shapes = node_shapes()
+def check_resources(
+    device: str, tp: int, shard_cpus: float, shapes: list[dict[str, float]]
+) -> None:
+    """Raises DeploymentError unless one of these nodes (their total resources) can host one
+    replica's `tp` shards."""
     need = {"CPU": tp * shard_cpus}
     if device == "cuda":
         need["GPU"] = tp
@@ -83,6 +85,13 @@ def check_resources(device: str, tp: int, shard_cpus: float) -> None:
 
 def _fits(shape: dict[str, float], need: dict[str, float]) -> bool:
     return all(shape.get(k, 0) >= v for k, v in need.items())
+
+
+def local_node() -> dict[str, float]:
+    """This machine's resources as a local Ray would count them (the GPUs torch can use)."""
+    import torch
+
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
 
 
 def node_shapes() -> list[dict[str, float]]:
