@@ -70,6 +70,11 @@ class ExpertWeights:
     w2_packed: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     repack_in_place: bool = False
+    # Optional float32 copies of the INT4 experts' dequantized weights (w13 [E, 2I, H], w2
+    # [E, H, I], any strides) that the owner keeps on the CPU (`RoutedExperts`); the INT4 tensors
+    # stay the source of truth, and `expert` reads these instead of unpacking on every call.
+    w13_dequant: torch.Tensor | None = None
+    w2_dequant: torch.Tensor | None = None
 
     @property
     def is_int4(self) -> bool:
@@ -81,6 +86,8 @@ class ExpertWeights:
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
+        if self.w13_dequant is not None and self.w13_dequant.dtype == dtype:
+            return self.w13_dequant[e], self.w2_dequant[e]
         if self.is_int4:
             # (imported here: moe_w4_repack imports this module's PACK and GROUP)
             from ddserve.kernels.moe_w4_repack import as_stream, decode_expert, in_place_started
@@ -103,14 +110,43 @@ def moe_ref(
     topk_weights: torch.Tensor,  # [T, k] float32, routed_scaling_factor already applied
     weights: ExpertWeights,
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """sum_j topk_weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over expert topk_ids[t, j]."""
+    """sum_j topk_weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over expert topk_ids[t, j].
+
+    The T * k (token, expert) pairs are sorted by expert (stable: token order within an expert),
+    so each expert is two matmuls over a contiguous run of rows and the elementwise work is one
+    op over all rows. A token's k results are summed into a zeroed row in ascending expert order,
+    whatever else is in the batch."""
     compute = torch.float32
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)  # [T*k]
+    order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert
+    counts = torch.bincount(flat, minlength=weights.num_experts).tolist()
+    token = order // k  # [T*k] token of each sorted pair
+    xs = x.to(compute).index_select(0, token)  # [T*k, H]
+    runs = _runs(counts)
+    gate_up = None
+    for e, start, n in runs:
+        w13, _ = weights.expert(e, compute)
+        if gate_up is None:
+            gate_up = xs.new_empty(t * k, w13.shape[0])  # [T*k, 2I]
+        torch.mm(xs[start : start + n], w13.t(), out=gate_up[start : start + n])
+    gate, up = gate_up.chunk(2, dim=-1)  # [T*k, I] each
+    act = torch.nn.functional.silu(gate) * up  # [T*k, I]
+    y = torch.empty_like(xs)  # [T*k, H]
+    for e, start, n in runs:
+        _, w2 = weights.expert(e, compute)
+        torch.mm(act[start : start + n], w2.t(), out=y[start : start + n])
+    y *= topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(compute)
     out = torch.zeros(x.shape, dtype=compute, device=x.device)
-    flat_ids = topk_ids.reshape(-1)
-    for e in torch.unique(flat_ids).tolist():
-        rows, slot = (topk_ids == e).nonzero(as_tuple=True)  # tokens routed to e
-        w13, w2 = weights.expert(e, compute)
-        gate, up = (x[rows].to(compute) @ w13.t()).chunk(2, dim=-1)  # [n, I] each
-        y = (torch.nn.functional.silu(gate) * up) @ w2.t()  # [n, H]
-        out.index_add_(0, rows, y * topk_weights[rows, slot].unsqueeze(-1).to(compute))
+    out.index_add_(0, token, y)
     return out.to(x.dtype)
+
+
+def _runs(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first sorted row, rows) for every expert with rows."""
+    runs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            runs.append((e, start, n))
+            start += n
+    return runs
