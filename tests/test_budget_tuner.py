@@ -39,13 +39,32 @@ def test_estimates_follow_a_change_in_acceptance() -> None:
     tuner = BudgetTuner((4, 32), warmup=1, explore_every=4, decay=0.5)
     simulate(tuner, 2, lambda b: 1 + b / 4, lambda b: 1.0, 40)  # drafter good: 32 wins
     assert tuner.best(2) == 32
-    simulate(tuner, 2, lambda b: 1.0, lambda b: 1 + b / 8, 80)  # drafter useless: 4 wins
-    assert tuner.best(2) == 4
+    simulate(tuner, 2, lambda b: 1.0, lambda b: 1 + b / 8, 80)  # drafter useless: plain wins
+    assert tuner.best(2) == 0
+    trees_only = BudgetTuner((4, 32), warmup=1, explore_every=4, decay=0.5, plain=False)
+    simulate(trees_only, 2, lambda b: 1 + b / 4, lambda b: 1.0, 40)
+    simulate(trees_only, 2, lambda b: 1.0, lambda b: 1 + b / 8, 80)
+    assert trees_only.best(2) == 4
 
 
 def test_every_candidate_is_tried_before_exploiting() -> None:
+    # largest first (its steps also tell the smaller trees' acceptance); plain decoding too
     tuner = BudgetTuner((8, 4, 16), warmup=2)
-    assert simulate(tuner, 1, lambda b: 1.0, lambda b: 1.0, 6) == [4, 4, 8, 8, 16, 16]
+    assert simulate(tuner, 1, lambda b: 1.0, lambda b: 1.0, 8) == [16, 16, 8, 8, 4, 4, 0, 0]
+    assert BudgetTuner((8, 4), plain=False).candidates == (4, 8)
+
+
+def test_falls_back_to_plain_decoding_and_bounds_the_time_spent_exploring() -> None:
+    # a drafter nobody can use: every tree commits one token, and bigger trees cost more
+    accept, cost = lambda b: 1.0, lambda b: 1.0 + b / 8
+    tuner = BudgetTuner((4, 8, 16, 32), warmup=1, explore_every=20)
+    chosen = simulate(tuner, 1, accept, cost, 2000)
+    assert tuner.best(1) == 0 and tuner.snapshot() == {1: 0}
+    explored = sum(cost(b) for b in chosen[5:] if b != 0)
+    total = sum(cost(b) for b in chosen[5:])
+    assert explored / total <= 1 / 21 + 0.01  # at most 1 / (explore_every + 1) of the time
+    ar_time = len(chosen)  # plain decoding alone: one token per 1.0 s step
+    assert sum(cost(b) for b in chosen) <= 1.07 * ar_time
 
 
 def test_default_candidates_and_bad_settings() -> None:
@@ -54,5 +73,7 @@ def test_default_candidates_and_bad_settings() -> None:
     assert default_candidates(2) == (2,)
     with pytest.raises(ValueError):
         BudgetTuner(())
+    with pytest.raises(ValueError):
+        BudgetTuner((-1, 4))
     with pytest.raises(ValueError):
         BudgetTuner((4,), explore_every=1)

@@ -46,12 +46,16 @@ class EngineConfig:
     # batch-invariant GPU kernels: a token's logits do not depend on what else is in the forward,
     # so DDTree == autoregressive bit for bit in 16-bit dtypes (see kernels/backend.py)
     batch_invariant: bool = True
+    # torch intra-op threads of a CPU engine (None: `engine.threads.cpu_threads` decides)
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if min(self.budget, self.prefill_chunk, self.num_slots, self.max_streams) < 1:
             raise ValueError("budget, prefill_chunk, num_slots and max_streams must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import random
 import sys
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddserve.engine.budget import BudgetTuner, default_candidates, tokens_at_budgets
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.drafter import Drafter
 from ddserve.engine.runner import ModelRunner
@@ -38,7 +40,14 @@ def _load_tokenizer(path: Path):
 class LLM:
     """Offline engine. `drafter` is a Drafter instance or a DFlash drafter directory; without one,
     generation is autoregressive. tp > 1 runs ranks 1.. in spawned gloo worker processes.
-    dtype "auto": float32 on the CPU, bfloat16 on GPUs (`engine.config.resolve_dtype`)."""
+    dtype "auto": float32 on the CPU, bfloat16 on GPUs (`engine.config.resolve_dtype`).
+
+    Speculative steps pick their tree budget online (`tune_budget`, default on): a `BudgetTuner`
+    over plain decoding (budget 0) and `default_candidates(budget)` measures committed tokens per
+    second per batch size, so each batch size runs the fastest choice on this machine and falls
+    back to plain decoding where no tree pays. The tuner lives as long as the LLM (later calls
+    start from what earlier ones measured). Greedy output is the same whatever it picks.
+    `tune_budget=False`: every speculative step uses `budget`."""
 
     def __init__(
         self,
@@ -54,6 +63,8 @@ class LLM:
         seed: int | None = None,
         batch_invariant: bool = True,
         cuda_graphs: bool = False,
+        tune_budget: bool = True,
+        cpu_threads: int | None = None,
     ) -> None:
         if model_path is None:
             from ddserve.model.tiny import default_model_dir
@@ -63,7 +74,7 @@ class LLM:
         seed = random.randrange(2**31) if seed is None else seed
         cfg = EngineConfig(
             num_slots, budget, prefill_chunk, dtype, seed, max_streams=max_streams,
-            batch_invariant=batch_invariant, cuda_graphs=cuda_graphs,
+            batch_invariant=batch_invariant, cuda_graphs=cuda_graphs, cpu_threads=cpu_threads,
         )  # fmt: skip
         kwargs = dict(model_path=self.model_path, engine_cfg=cfg, drafter=drafter, device=device)
         self.max_streams, self.tp, self._next_sid = max_streams, tp, 0
@@ -76,6 +87,8 @@ class LLM:
         else:
             self.runner = ModelRunner(**kwargs)
         self.tokenizer = _load_tokenizer(self.model_path)
+        # warm-up 1: a one-shot generate should not spend many steps measuring
+        self.tuner = BudgetTuner(default_candidates(budget), warmup=1) if tune_budget else None
 
     def _call(self, name: str, *args: Any) -> Any:
         if self._group is not None:
@@ -111,10 +124,10 @@ class LLM:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         outs = [GenerationOutput(self.encode(p)) for p in prompts]
         for o in outs:
-            o.stats.update(steps=0, mean_committed=0.0, committed_per_step=[])
+            o.stats.update(steps=0, mean_committed=0.0, committed_per_step=[], budget_per_step=[])
         if speculative and self.runner.drafter is None:
             log.warning("generate(speculative=True) without a drafter: decoding autoregressively")
-        step = "ddtree_step" if speculative and self.runner.drafter is not None else "ar_step"
+        spec = speculative and self.runner.drafter is not None
         forwards0 = self.runner.target_forwards
         queue, active = deque(range(len(outs))), {}
         while queue or active:
@@ -131,7 +144,8 @@ class LLM:
             self._collect(self._call("prefill"), active, outs)
             ready = [s for s in active if self.runner.streams[s].prefilled]
             if ready:
-                self._collect(self._call(step, ready), active, outs, decode=True)
+                step_outs, budget = self._decode(ready, spec)
+                self._collect(step_outs, active, outs, budget)
         forwards = self.runner.target_forwards - forwards0
         for o in outs:
             o.stats["target_forwards"] = forwards
@@ -139,17 +153,35 @@ class LLM:
                 o.text = self.tokenizer.decode(o.token_ids)
         return outs
 
+    def _decode(self, sids: list, speculative: bool) -> tuple[dict, int]:
+        """One decode step and its tree budget (0: plain): plain when not speculative, else
+        `budget`, or the tuner's choice, timed for the tuner."""
+        if not speculative:
+            return self._call("ar_step", sids), 0
+        if self.tuner is None:
+            return self._call("ddtree_step", sids), self.runner.cfg.budget
+        budget = self.tuner.choose(len(sids))
+        t0 = time.perf_counter()
+        outs = self._call("ddtree_step", sids, budget)
+        seconds = time.perf_counter() - t0
+        committed = sum(len(o.tokens) for o in outs.values()) / len(sids)
+        tokens_at = tokens_at_budgets(outs.values(), budget, self.tuner.candidates)
+        self.tuner.record(len(sids), budget, committed, seconds, tokens_at)
+        return outs, budget
+
     def _new_sid(self) -> int:
         self._next_sid += 1
         return self._next_sid
 
-    def _collect(self, step_outs: dict, active: dict, outs: list, decode: bool = False) -> None:
+    def _collect(self, step_outs: dict, active: dict, outs: list, budget: int | None = None):
+        """Tokens into outputs; a decode step (`budget` given) also into the per-step stats."""
         for sid, so in step_outs.items():
             o = outs[active[sid]]
             o.token_ids.extend(so.tokens)
-            if decode:
+            if budget is not None:
                 c = o.stats.setdefault("committed_per_step", [])
                 c.append(len(so.tokens))
+                o.stats.setdefault("budget_per_step", []).append(budget)
                 o.stats["steps"], o.stats["mean_committed"] = len(c), sum(c) / len(c)
             if so.finished:
                 o.finish_reason = so.finished
@@ -191,14 +223,24 @@ def main(args) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
+        t0 = time.perf_counter()
         outs = llm.generate(args.prompt, params, speculative=not args.no_speculative)
+        seconds = time.perf_counter() - t0  # prefill and decode of the whole batch
         for o in outs:
             print(o.text if o.text is not None else o.token_ids)
             print(
                 f"[{len(o.token_ids)} tokens, {o.stats['steps']} steps, "
-                f"{o.stats['mean_committed']:.2f} tokens/step, finish={o.finish_reason}]",
+                f"{o.stats['mean_committed']:.2f} tokens/step, {seconds:.2f} s "
+                f"({len(o.token_ids) / seconds:.0f} tokens/s), "
+                f"budgets {_budget_counts(o.stats['budget_per_step'])}, finish={o.finish_reason}]",
                 file=sys.stderr,
             )
     finally:
         llm.close()
     return 0
+
+
+def _budget_counts(budgets: list[int]) -> str:
+    """Steps per tree budget, e.g. "16x20 8x1 0x2", most used first (0: plain decoding)."""
+    counts = Counter(budgets)
+    return " ".join(f"{b}x{n}" for b, n in counts.most_common()) or "-"

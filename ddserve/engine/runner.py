@@ -23,6 +23,7 @@ from ddserve.engine.config import EngineConfig, resolve_dtype
 from ddserve.engine.drafter import Drafter
 from ddserve.engine.graphs import GraphedForward
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
+from ddserve.engine.threads import configure_cpu_threads
 from ddserve.kernels import backend
 from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
 from ddserve.sampling import SamplingParams
@@ -83,6 +84,8 @@ class ModelRunner:
         self.cfg, self.comm = engine_cfg, comm
         self.model, self.model_cfg = model, model_cfg
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":  # CPU tensor-parallel ranks share one host
+            configure_cpu_threads(comm.world_size, engine_cfg.cpu_threads)
         mc = self.model_cfg
         self.kv = LatentCache(
             mc.num_hidden_layers,
@@ -354,12 +357,16 @@ class ModelRunner:
         -> commit (keep the root's and accepted nodes' slots, free the rest).
 
         `budget` (default: the engine's) lets the caller pick a tree size per batch bucket; it
-        may not exceed the engine's budget, which admission reserved slots for."""
+        may not exceed the engine's budget, which admission reserved slots for. Budget 0 is the
+        empty tree: verify the root alone, i.e. a plain `ar_step` (no draft), which the budget
+        tuner picks where drafting does not pay."""
         if self.drafter is None:
             raise RuntimeError("ddtree_step needs a drafter")
         n = self.cfg.budget if budget is None else budget
-        if not 1 <= n <= self.cfg.budget:
-            raise ValueError(f"budget must be in [1, {self.cfg.budget}], got {n}")
+        if not 0 <= n <= self.cfg.budget:
+            raise ValueError(f"budget must be in [0, {self.cfg.budget}], got {n}")
+        if n == 0:
+            return self.ar_step(sids)
         sts = self._active(sids)
         bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
         tree = build_tree(self.drafter.draft(list(sids), bonus), n)
@@ -389,6 +396,6 @@ class ModelRunner:
             )
             st.steps += 1
             st.committed.append(k)
-            outs[st.sid] = st.emit(toks)
+            outs[st.sid] = dataclasses.replace(st.emit(toks), accepted_rows=tuple(path[1:]))
         self._keep_slots(kept_slots)
         return self._finish(outs)

@@ -12,10 +12,14 @@ from ddserve.sampling import SamplingParams
 class StepOutput:
     """Tokens a stream emitted in one engine call; finished is "stop", "length" or None.
 
-    A stop token (EOS or one of stop_token_ids) is the last token emitted and is included."""
+    A stop token (EOS or one of stop_token_ids) is the last token emitted and is included.
+    accepted_rows: of a DDTree step, the verify rows (1..budget, in the tree's best-first
+    order) of the accepted draft nodes along the path; they tell what a smaller tree would have
+    committed (`engine.budget.tokens_at_budgets`)."""
 
     tokens: list[int]
     finished: str | None = None
+    accepted_rows: tuple[int, ...] = ()
 
 
 @dataclass
