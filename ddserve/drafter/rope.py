@@ -20,8 +20,13 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_inv_freq(p: RopeParams, dim: int) -> tuple[Tensor, float]:
-    """(inverse frequencies [dim/2] float32, attention factor) for head dim `dim`."""
-    base = p.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [dim/2]
+    """(inverse frequencies [dim/2] float32 on the CPU, attention factor) for head dim `dim`.
+
+    The device is explicit: the loader builds the model under torch.device("meta"), where an
+    implicit-device arange goes through torch's reference decompositions (importing them costs
+    ~2 s on the 2-core CPU machine, every start)."""
+    cpu = torch.device("cpu")
+    base = p.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=cpu) / dim)  # [dim/2]
     if p.kind == "default":
         return 1.0 / base, 1.0
     if p.kind == "linear":
@@ -46,7 +51,8 @@ def rope_inv_freq(p: RopeParams, dim: int) -> tuple[Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    half = torch.arange(dim // 2, dtype=torch.float32, device=cpu)  # [dim/2]
+    ramp = ((half - low) / (high - low)).clamp(0, 1)
     extrapolate = 1.0 - ramp  # [dim/2]: 1 keeps the original frequency
     inv = (1.0 / (factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
     return inv, float(attn)

@@ -115,9 +115,12 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         speculative: bool = True,
+        budget: int | None = None,
     ) -> list[GenerationOutput]:
         """One output per prompt, in order. Streams are admitted up to max_streams at a time and
-        as KV slots allow; DDTree steps when speculative and a drafter is set, else AR steps."""
+        as KV slots allow; DDTree steps when speculative and a drafter is set, else AR steps.
+        `budget`: this call's tree budget for every speculative step (0: plain steps), instead
+        of the tuner's choice (or the engine's budget without a tuner)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = params or SamplingParams()
@@ -144,8 +147,8 @@ class LLM:
             self._collect(self._call("prefill"), active, outs)
             ready = [s for s in active if self.runner.streams[s].prefilled]
             if ready:
-                step_outs, budget = self._decode(ready, spec)
-                self._collect(step_outs, active, outs, budget)
+                step_outs, used = self._decode(ready, spec, budget)
+                self._collect(step_outs, active, outs, used)
         forwards = self.runner.target_forwards - forwards0
         for o in outs:
             o.stats["target_forwards"] = forwards
@@ -153,13 +156,14 @@ class LLM:
                 o.text = self.tokenizer.decode(o.token_ids)
         return outs
 
-    def _decode(self, sids: list, speculative: bool) -> tuple[dict, int]:
+    def _decode(self, sids: list, speculative: bool, budget: int | None) -> tuple[dict, int]:
         """One decode step and its tree budget (0: plain): plain when not speculative, else
-        `budget`, or the tuner's choice, timed for the tuner."""
+        `budget` if given, else the tuner's choice (timed for the tuner) or the engine's."""
         if not speculative:
             return self._call("ar_step", sids), 0
-        if self.tuner is None:
-            return self._call("ddtree_step", sids), self.runner.cfg.budget
+        if budget is not None or self.tuner is None:
+            budget = self.runner.cfg.budget if budget is None else budget
+            return self._call("ddtree_step", sids, budget), budget
         budget = self.tuner.choose(len(sids))
         t0 = time.perf_counter()
         outs = self._call("ddtree_step", sids, budget)
