@@ -3,24 +3,27 @@
     python3 bench/eval_pair.py --out pair.json --plot pair.png             # CUDA: bf16, graphs
     python3 bench/eval_pair.py --device cpu --out cpu.json --plot cpu.png  # CPU: a smaller run
 
-Offline engine (one ModelRunner, tp = 1, no Ray), temperature 0, prompts from
+Offline engine (one `LLM`, tp = 1, no Ray), temperature 0, prompts from
 bench/heldout_prompts.json (function headers of held-out modules, `ddserve.train.prompts`):
 
 (a) acceptance: mean committed tokens per DDTree step (tokens / decode steps, summed over the
     prompts; the prefill's first token is not a step) at each of --budgets. Batched: every prompt,
     up to --acc-streams streams at a time, refilled from the queue as streams finish. At
     temperature 0 a stream's tokens and steps do not depend on its batch.
-(b) speed: wall-clock output tokens/s of AR (no draft) and of DDTree at each of --speed-budgets
-    (the engine default 16 among them), at each --concurrency C: the first --speed-prompts
-    prompts decoded C streams at a time, as `LLM.generate` admits them (prefill included).
-    Reported: tokens/s, DDTree / AR at the default budget and at the best measured budget.
+(b) speed: wall-clock output tokens/s of AR (no draft), of DDTree at each of --speed-budgets
+    (16, the engine's default budget, among them) and of "auto" (`LLM.generate` as it runs by
+    default: its budget tuner picks a budget in 0 (plain), 4, 8, 16 per batch size by measured
+    rate), at each --concurrency C: the first --speed-prompts prompts decoded C streams at a
+    time, refilled as streams finish (prefill included). Reported: tokens/s, and DDTree / AR
+    at the default budget, for auto, and at the best budget.
 (c) exactness: for every DDTree run, how many prompts' tokens equal AR's.
 
-Warm-up: the acceptance pass runs first (every step shape once); with --cuda-graphs every timed
-configuration also runs once untimed first, so no graph is captured inside a timed run. The
-loop is `LLM.generate`'s, with the DDTree budget given per step (`ModelRunner.ddtree_step`), so
-one engine (budget = the largest) serves every budget. --max-minutes stops cleanly: the running
-configuration is abandoned, everything finished is in the JSON (rewritten after each one).
+Warm-up: the acceptance pass runs first (every step shape once); every timed configuration with
+--cuda-graphs, and auto always, also runs once untimed first (graphs captured, the tuner's first
+measurements made outside the timing). The fixed-budget loop is `LLM.generate`'s with the budget
+given per step (`ModelRunner.ddtree_step`), so one engine (budget = the largest) serves every
+budget. --max-minutes stops cleanly: the running configuration is abandoned, everything
+finished is in the JSON (rewritten after each one).
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ddserve import LLM, SamplingParams  # noqa: E402
+from ddserve.engine.budget import BudgetTuner, default_candidates  # noqa: E402
 from ddserve.engine.config import resolve_dtype  # noqa: E402
-from ddserve.engine.runner import ModelRunner  # noqa: E402
-from ddserve.sampling import SamplingParams  # noqa: E402
 
 DEFAULT_BUDGET = 16  # LLM() and `ddserve serve`
 PRESETS = {  # what each device runs unless told otherwise
@@ -78,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--speed-prompts", type=int, default=None, help="prompts timed (10)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs each; the fastest counts")
     ap.add_argument("--acc-streams", type=int, default=None, help="acceptance batch (16 / 8)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: engine's)")
     ap.add_argument("--max-minutes", type=float, default=4.5, help="stop cleanly after this")
     ap.add_argument("--out", default=None, help="JSON output (default: print)")
     ap.add_argument("--plot", default=None, help="PNG: committed tokens per step vs budget")
@@ -156,7 +159,7 @@ def environment(args, runner) -> dict:
                threads=torch.get_num_threads(), cpus=os.cpu_count())  # fmt: skip
     if runner.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(runner.device)
-    env["moe"] = os.environ.get("DDSERVE_MOE_BACKEND")
+    env.update({k: v for k, v in os.environ.items() if k.startswith("DDSERVE_")})
     return env
 
 
@@ -177,7 +180,8 @@ class Eval:
         tok = Tokenizer.from_dir(model)
         self.ids = [encode_prompt(tok, p["prompt"]) for p in self.prompts]
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-        self.runner = self._engine(model, drafter)
+        self.llm = self._engine(model, drafter)
+        self.runner = self.llm.runner
         self.report = dict(
             benchmark="eval_pair", args=vars(args), model=str(model), drafter=str(drafter),
             name=model.name if args.model else DEFAULT_NAME,
@@ -189,18 +193,25 @@ class Eval:
             speed=[], skipped=[], partial=False,
         )  # fmt: skip
 
-    def _engine(self, model: Path, drafter) -> ModelRunner:
-        from ddserve.engine.config import EngineConfig
-
+    def _engine(self, model: Path, drafter) -> LLM:
         a = self.args
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        top = max([*a.budgets, *a.speed_budgets])
-        streams = max([a.acc_streams, *a.concurrency])
-        cfg = EngineConfig(num_slots=16384, budget=top, dtype=a.dtype, seed=0,
-                           max_streams=streams, cuda_graphs=a.cuda_graphs,
-                           batch_invariant=True)  # fmt: skip
-        return ModelRunner(model, engine_cfg=cfg, drafter=str(drafter), device=a.device)
+        llm = LLM(model, drafter=str(drafter), budget=max([*a.budgets, *a.speed_budgets]),
+                  device=a.device, num_slots=16384, dtype=a.dtype, seed=0,
+                  max_streams=max([a.acc_streams, *a.concurrency]), cuda_graphs=a.cuda_graphs,
+                  batch_invariant=True, cpu_threads=a.threads)  # fmt: skip
+        llm.tuner = BudgetTuner(default_candidates(DEFAULT_BUDGET), warmup=1)  # as LLM() has
+        return llm
+
+    def tuned(self, ids, streams: int) -> tuple[list, list, float, list]:
+        """`LLM.generate` with its budget tuner: (tokens, steps, seconds, budgets used)."""
+        if time.perf_counter() > self.deadline:
+            raise Deadline
+        self.llm.max_streams = streams
+        t0 = time.perf_counter()
+        outs = self.llm.generate(ids, self.params)
+        sec = time.perf_counter() - t0
+        used = sorted({b for o in outs for b in o.stats.get("budget_per_step", [])})
+        return [o.token_ids for o in outs], [o.stats["steps"] for o in outs], sec, used
 
     def save(self) -> None:
         self.report["seconds"] = round(time.perf_counter() - self.t0, 1)
@@ -244,39 +255,49 @@ class Eval:
     def speed(self, c: int) -> None:
         a = self.args
         ids, ref = self.ids[: a.speed_prompts], self.ar_toks[: a.speed_prompts]
-        entry = dict(concurrency=c, prompts=len(ids), ar=None, ddtree={})
+        entry = dict(concurrency=c, prompts=len(ids), ar=None, ddtree={}, auto=None)
         self.report["speed"].append(entry)
-        for budget in [None, *a.speed_budgets]:
-            name = "ar" if budget is None else f"budget {budget}"
-
-            def one(budget=budget):
-                if a.cuda_graphs:  # capture this configuration's graphs outside the timing
-                    decode(self.runner, ids, self.params, c, budget, self.deadline)
-                runs = [timed(self.runner, ids, self.params, c, budget, self.deadline)
-                        for _ in range(a.repeats)]  # fmt: skip
-                out = summary(*min(runs, key=lambda r: r[2]), ref)
-                return {**out, "seconds_all": [round(r[2], 3) for r in runs]}
-
-            res = self.run(f"speed c={c} {name}", one)
+        for mode in ["ar", *a.speed_budgets, "auto"]:
+            name = mode if isinstance(mode, str) else f"budget {mode}"
+            res = self.run(f"speed c={c} {name}", lambda mode=mode: self._time(ids, ref, c, mode))
             if res is None:
                 continue
-            if budget is None:
-                entry["ar"] = res
+            if isinstance(mode, str):
+                entry[mode] = res
             else:
-                entry["ddtree"][str(budget)] = res
+                entry["ddtree"][str(mode)] = res
             print(f"  c={c} {name}: {res['tokens_per_s']:.1f} tokens/s", flush=True)
         ar = entry["ar"]
         if ar and entry["ddtree"]:
+            rate = lambda r: round(r["tokens_per_s"] / ar["tokens_per_s"], 3)  # noqa: E731
             best = max(entry["ddtree"], key=lambda b: entry["ddtree"][b]["tokens_per_s"])
-            ratio = lambda b: round(entry["ddtree"][b]["tokens_per_s"] / ar["tokens_per_s"], 3)
-            entry.update(best_budget=int(best), speedup_best=ratio(best))
+            entry.update(best_budget=int(best), speedup_best=rate(entry["ddtree"][best]))
             if str(DEFAULT_BUDGET) in entry["ddtree"]:
-                entry["speedup_default"] = ratio(str(DEFAULT_BUDGET))
+                entry["speedup_default"] = rate(entry["ddtree"][str(DEFAULT_BUDGET)])
+            if entry["auto"]:
+                entry["speedup_auto"] = rate(entry["auto"])
+
+    def _time(self, ids, ref, c: int, mode) -> dict:
+        """One configuration: a warm-up run (with graphs: the whole run; auto: the tuner learns
+        there), then --repeats timed runs; the fastest counts."""
+        budget = None if mode == "ar" else mode
+
+        def run() -> tuple[list, list, float, list | None]:
+            if mode == "auto":
+                return self.tuned(ids, c)
+            return (*timed(self.runner, ids, self.params, c, budget, self.deadline), None)
+
+        if self.args.cuda_graphs or mode == "auto":
+            run()
+        runs = [run() for _ in range(self.args.repeats)]
+        toks, steps, sec, used = min(runs, key=lambda r: r[2])
+        out = {**summary(toks, steps, sec, ref), "seconds_all": [round(r[2], 3) for r in runs]}
+        return out if used is None else {**out, "budgets_used": used}
 
     def exactness(self) -> dict:
         runs = list(self.report["acceptance"]["budgets"].values())
         for e in self.report["speed"]:
-            runs += e["ddtree"].values()
+            runs += [*e["ddtree"].values(), *([e["auto"]] if e["auto"] else [])]
         return dict(identical=sum(r["identical"] for r in runs),
                     total=sum(r["prompts"] for r in runs))  # fmt: skip
 
