@@ -52,6 +52,14 @@ case "${1:-check}" in
       bash bench/gpu_serve_check.sh 2>&1 | tail -10 >>"$LOG"
     cp /tmp/serve/load_gpu.json "$OUT/serve_load_v3.json" 2>/dev/null
     ;;
+  pair)  # the trained default pair on one H200: the GPU tests the CPU-path changes touch, then
+          # bench/eval_pair.py (acceptance vs budget, DDTree vs AR tokens/s at 1/5/10 streams)
+    timeout 170 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "test_invariant_gpu or test_engine_gpu or test_warmup_gpu or test_ddtree_nosync or test_prefill_phase_gpu" \
+      >"$OUT/pytest_pair.log" 2>&1; tail -15 "$OUT/pytest_pair.log" >>"$LOG"
+    timeout 360 python3 bench/eval_pair.py --max-minutes 5.5 --out "$OUT/eval_pair_h200.json" \
+      --plot "$OUT/eval_pair_h200.png" >"$OUT/eval_pair.log" 2>&1; tail -30 "$OUT/eval_pair.log" >>"$LOG"
+    ;;
   speed)
     (cd bench && timeout 200 python3 bench_moe.py --variants --out "$OUT/moe.json") 2>&1 | tail -40 >>"$LOG"
     (cd bench && timeout 150 python3 bench_tree_attn.py --out "$OUT/tree_attn.json") 2>&1 | tail -30 >>"$LOG"
