@@ -50,9 +50,9 @@ from ddserve.engine.config import resolve_dtype  # noqa: E402
 DEFAULT_BUDGET = 16  # LLM() and `ddserve serve`
 PRESETS = {  # what each device runs unless told otherwise
     "cuda": dict(num_prompts=64, max_tokens=128, concurrency="1,5,10", speed_prompts=10,
-                 speed_budgets="4,8,16,32,64", acc_streams=16),
+                 speed_budgets="4,8,16,32,64", acc_streams=16, repeats=1),
     "cpu": dict(num_prompts=16, max_tokens=64, concurrency="1,5,10", speed_prompts=10,
-                speed_budgets="8,16,32", acc_streams=8),
+                speed_budgets="8,16,32", acc_streams=8, repeats=2),
 }  # fmt: skip
 
 
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="per prompt (cuda 128, cpu 64)")
     ap.add_argument("--num-prompts", type=int, default=None, help="acceptance (cuda 64, cpu 16)")
     ap.add_argument("--speed-prompts", type=int, default=None, help="prompts timed (10)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs each; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs (1; cpu 2): fastest")
     ap.add_argument("--acc-streams", type=int, default=None, help="acceptance batch (16 / 8)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: engine's)")
     ap.add_argument("--max-minutes", type=float, default=4.5, help="stop cleanly after this")
