@@ -1,4 +1,5 @@
-"""The embedded default: the trained code model and its DFlash drafter, shipped as package data.
+"""The embedded default: the trained code model and its DFlash drafter, shipped as package data,
+and the held-out prompts it is evaluated on (bench/heldout_prompts.json).
 
 On CPU in float32: DDTree equals autoregressive greedy decoding on held-out function headers and
 commits well over one token per step there (a property of the trained pair: a random drafter
@@ -8,6 +9,8 @@ logits.
 
 from __future__ import annotations
 
+import ast
+import csv
 import fnmatch
 import json
 from pathlib import Path
@@ -24,6 +27,7 @@ from ddserve.model.loader import load_model
 from ddserve.model.tiny import DEFAULT_NAME, default_model_dir
 from ddserve.serve import preflight
 from ddserve.tokenizer import Tokenizer
+from ddserve.train.prompts import MANIFEST, header_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 48
@@ -44,6 +48,36 @@ def decoded(held_out):
              num_slots=1024, max_streams=2, seed=0) as llm:  # fmt: skip
         sp = SamplingParams(max_tokens=MAX_TOKENS)
         return llm.generate(held_out, sp, speculative=False), llm.generate(held_out, sp)
+
+
+def test_held_out_prompts_are_headers_of_distinct_eval_modules() -> None:
+    doc = json.loads((ROOT / "bench" / "heldout_prompts.json").read_text())
+    with MANIFEST.open(newline="") as f:
+        split = {(r["source"], r["path"]): r["split"] for r in csv.DictReader(f, delimiter="\t")}
+    prompts = doc["prompts"]
+    assert len(prompts) == 64 and len({(p["source"], p["path"]) for p in prompts}) == 64
+    for p in prompts:
+        assert split[(p["source"], p["path"])] == "eval"
+        assert p["prompt"].startswith(("def ", "async def ")) and not p["prompt"][-1].isspace()
+
+
+def test_header_prompt_keeps_the_signature_and_the_first_docstring_line() -> None:
+    src = (
+        "class A:\n"
+        "    @property\n"
+        "    def f(self, a,\n"
+        "          b=1):\n"
+        "        # a comment before the body\n"
+        '        """\n'
+        "        First line.\n"
+        "\n"
+        "        More.\n"
+        '        """\n'
+        "        return a\n"
+    )
+    method = ast.parse(src).body[0].body[0]
+    want = 'def f(self, a,\n      b=1):\n    """\n    First line.'
+    assert header_prompt(src.splitlines(), method) == want
 
 
 def test_default_model_dir_is_the_packaged_trained_pair() -> None:
