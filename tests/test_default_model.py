@@ -128,3 +128,10 @@ def test_default_over_gloo_equals_tp1(world: int, tmp_path) -> None:
     for rank in range(world):
         [got] = torch.load(f"{out}.{rank}")
         assert rel_err(got, ref) <= 1e-5, (rank, rel_err(got, ref))
+
+
+def test_llm_with_no_arguments_runs_the_embedded_pair_with_its_drafter() -> None:
+    from ddserve.drafter.model import DFlashDrafter
+
+    with LLM(device="cpu", num_slots=256, max_streams=1) as llm:
+        assert isinstance(llm.runner.drafter, DFlashDrafter)

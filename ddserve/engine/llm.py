@@ -39,7 +39,7 @@ def _load_tokenizer(path: Path):
 
 class LLM:
     """Offline engine. `drafter` is a Drafter instance or a DFlash drafter directory; without one,
-    generation is autoregressive. tp > 1 runs ranks 1.. in spawned gloo worker processes.
+    generation is autoregressive. `LLM()` runs the embedded pair (target and drafter). tp > 1 runs ranks 1.. in spawned gloo worker processes.
     dtype "auto": float32 on the CPU, bfloat16 on GPUs (`engine.config.resolve_dtype`).
 
     Speculative steps pick their tree budget online (`tune_budget`, default on): a `BudgetTuner`
@@ -66,10 +66,11 @@ class LLM:
         tune_budget: bool = True,
         cpu_threads: int | None = None,
     ) -> None:
-        if model_path is None:
+        if model_path is None:  # the embedded pair: its target and, unless given, its drafter
             from ddserve.model.tiny import default_model_dir
 
             model_path = default_model_dir()
+            drafter = drafter if drafter is not None else model_path / "drafter"
         self.model_path = Path(model_path)
         seed = random.randrange(2**31) if seed is None else seed
         cfg = EngineConfig(
