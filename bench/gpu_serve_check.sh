@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `ddserve serve` on every GPU of the machine (the embedded tiny model, tp = number of GPUs, NCCL
+# `ddserve serve` on every GPU of the machine (the embedded default model, tp = number of GPUs, NCCL
 # between Ray shard actors), then a streaming request, a small load test and /metrics, then a clean
 # shutdown. Needs Ray on PYTHONPATH (the device bundle). Logs and JSON under $OUT.
 #   OUT=results [SERVE_ARGS=--cuda-graphs] bash bench/gpu_serve_check.sh
@@ -15,7 +15,7 @@ for _ in $(seq 1 180); do grep -q "serving on" "$OUT/serve.log" && break; sleep 
 grep -q "serving on" "$OUT/serve.log" || { echo "server did not start"; tail -50 "$OUT/serve.log"; kill -9 $PID; exit 1; }
 echo "started after ${SECONDS}s"
 curl -sS -N "$URL/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"model": "ddserve-tiny", "prompt": "Hello", "max_tokens": 16, "stream": true, "temperature": 0}' \
+  -d '{"model": "ddserve-code-21m", "prompt": "def read_lines(path):", "max_tokens": 16, "stream": true, "temperature": 0}' \
   | tee "$OUT/curl_stream.txt" | tail -3
 python3 -m loadtest --url "$URL" --num-prompts 32 --concurrency 8 --warmup 2 --ignore-eos \
   --input-len 32 --output-len 64 --no-progress --out "$OUT/load_gpu.json" || echo "loadtest rc=$?"

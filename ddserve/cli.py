@@ -9,7 +9,7 @@ import sys
 def _make_tiny(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-tiny",
-        help="write a small random checkpoint of this architecture (the embedded default)",
+        help="write a small random checkpoint of this architecture (for tests)",
         description="Write a small HF-format DeepSeek-V3/Kimi-K2 checkpoint (config.json, "
         "safetensors, tokenizer) with random weights, plus a matching tiny DFlash drafter under "
         "OUT/drafter. Deterministic from --seed.",
@@ -26,7 +26,8 @@ def _generate(sub: argparse._SubParsersAction) -> None:
         help="generate text offline (no server), with or without DDTree",
         description="Offline generation through the same engine the server uses.",
     )
-    p.add_argument("--model", default=None, help="checkpoint dir (default: embedded tiny model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir (default: the embedded ddserve-code-21m)")  # fmt: skip
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory (default: the checkpoint's own drafter/ "
                    "when it has one, as the embedded model does; else autoregressive)")  # fmt: skip
@@ -53,11 +54,12 @@ def _serve(sub: argparse._SubParsersAction) -> None:
         help="serve an OpenAI-compatible HTTP API (Ray Serve)",
         description="Start a private local Ray (or join --address) and serve /v1/completions, "
         "/v1/chat/completions, /v1/models, /health and /metrics. With no --model, serves the "
-        "embedded tiny model (tp=2 on CPU so the distributed path runs). The deployment is "
-        "checked first (paths, tp, resources): an impossible one exits with status 2 and its "
+        "embedded ddserve-code-21m and its drafter (tp=2 on CPU so the distributed path runs). "
+        "The deployment is checked first (paths, tp, resources): an impossible one exits with status 2 and its "
         "cause. Ctrl-C or SIGTERM stops the server and the Ray it started.",
     )
-    p.add_argument("--model", default=None, help="checkpoint dir (default: embedded tiny model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir (default: the embedded ddserve-code-21m)")  # fmt: skip
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory (default: the checkpoint's own drafter/ when it "
                    "has one, as the embedded model does)")  # fmt: skip

@@ -30,7 +30,7 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str | None = None  # checkpoint directory; None: the embedded tiny model
+    model: str | None = None  # checkpoint directory; None: the embedded ddserve-code-21m
     drafter: str | None = None  # DFlash drafter directory; None: the model's own `drafter/`
     # default: the checkpoint directory's name (the embedded default's: ddserve-code-21m)
     served_model_name: str | None = None
@@ -91,7 +91,7 @@ class ServeConfig(BaseModel):
         return [] if self.budgets in (None, "auto") else list(self.budgets)
 
     def model_dir(self) -> Path:
-        """The checkpoint directory (the embedded default is written on first use)."""
+        """The checkpoint directory (default: the embedded pair packaged with ddserve)."""
         return Path(self.model) if self.model else _default_model()
 
     def drafter_dir(self, model: Path) -> str | None:
