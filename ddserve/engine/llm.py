@@ -39,8 +39,9 @@ def _load_tokenizer(path: Path):
 
 class LLM:
     """Offline engine. `drafter` is a Drafter instance or a DFlash drafter directory; without one,
-    generation is autoregressive. `LLM()` runs the embedded pair (target and drafter). tp > 1 runs ranks 1.. in spawned gloo worker processes.
-    dtype "auto": float32 on the CPU, bfloat16 on GPUs (`engine.config.resolve_dtype`).
+    generation is autoregressive. `LLM()` runs the embedded pair (target and drafter). tp > 1
+    runs ranks 1.. in spawned gloo worker processes. dtype "auto": float32 on the CPU, bfloat16
+    on GPUs (`engine.config.resolve_dtype`).
 
     Speculative steps pick their tree budget online (`tune_budget`, default on): a `BudgetTuner`
     over plain decoding (budget 0) and `default_candidates(budget)` measures committed tokens per
