@@ -4,8 +4,9 @@ pair), in the offline engine and, with --cli, through `ddserve generate` end to 
     python3 bench/cpu_speed.py --out bench/results/cpu_speed.json
     python3 bench/cpu_speed.py --cli --out cpu_speed.json     # + `ddserve generate` timings
 
-Engine: one `LLM` (tp 1, temperature 0, one prompt at a time, --max-tokens each). Modes: `ar`
-(no draft), `ddtree_<b>` (every step at budget b, for each of --budgets) and `auto` (the budget
+Engine: `LLM`s (tp 1, temperature 0, one prompt at a time, --max-tokens each). Modes: `ar`
+(plain decoding, no drafter loaded), `ddtree_<b>` (every step at budget b, for each of --budgets;
+one LLM with the drafter serves them all) and `auto` (the budget
 tuner over plain decoding and `default_candidates(--auto-budget)`, started fresh for every run,
 as a one-shot `ddserve generate` starts it). Each repeat runs every mode on every prompt in turn,
 so the slow phases of a shared machine hit the modes alike; per (mode, prompt) the median of the
@@ -77,14 +78,13 @@ def make_llms(a: argparse.Namespace, model: Path, drafter: Path, budgets: list[i
     kw = dict(device="cpu", seed=0, num_slots=4096, max_streams=1)
     if a.threads is not None and "cpu_threads" in inspect.signature(LLM).parameters:
         kw["cpu_threads"] = a.threads
+    plain = LLM(model, **kw)  # no drafter: plain decoding pays for none
+    modes = {"ar": (plain, dict(speculative=False), None)}
     if new:
         shared = LLM(model, drafter=drafter, budget=max(budgets + [a.auto_budget]), **kw)
-        modes = {"ar": (shared, dict(speculative=False), None)}
         modes |= {f"ddtree_{b}": (shared, dict(budget=b), None) for b in budgets}
         modes["auto"] = (shared, {}, a.auto_budget)
         return modes, True
-    modes = {"ar": (LLM(model, drafter=drafter, budget=budgets[0], **kw), dict(speculative=False),
-                    None)}  # fmt: skip
     for b in budgets:
         modes[f"ddtree_{b}"] = (LLM(model, drafter=drafter, budget=b, **kw), {}, None)
     return modes, False
@@ -101,10 +101,10 @@ def run_engine(a: argparse.Namespace, model: Path, drafter: Path) -> dict:
     for rep in range(a.repeats + 1):  # repeat 0 warms every shape up, untimed
         for i, text in enumerate(texts):
             for mode, (llm, kwargs, auto) in modes.items():
-                if auto is not None:
-                    from ddserve.engine.budget import BudgetTuner, default_candidates
+                if auto is not None:  # a fresh tuner, as a one-shot `ddserve generate` has
+                    from ddserve.engine.llm import offline_tuner
 
-                    llm.tuner = BudgetTuner(default_candidates(auto), warmup=1)
+                    llm.tuner = offline_tuner(auto)
                 t0 = time.perf_counter()
                 out = llm.generate(text, params, **kwargs)[0]
                 seconds = time.perf_counter() - t0

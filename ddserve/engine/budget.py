@@ -9,7 +9,7 @@ Budget 0 is the empty tree: the step verifies the root alone, i.e. plain autoreg
 with no draft (`ModelRunner.ddtree_step(sids, 0)`). It is a candidate unless `plain=False`, so
 where no tree pays (a slow CPU, a large batch, traffic the drafter predicts badly) the tuner
 settles on plain decoding by measurement: speculation is never slower than plain decoding by
-more than the exploration it spends, at most 1 / (explore_every + 1) of the step time.
+more than what exploring costs, at most 1 / (4 explore_every) of the best rate (see `choose`).
 
 Acceptance is noisy step to step, so one step at a budget says little; but the best-first tree
 of b nodes is the first b nodes of any bigger tree (DESIGN.md section 4.2), so one step at
@@ -32,12 +32,16 @@ PLAIN = 0  # the empty tree: a plain autoregressive step
 
 @dataclass
 class _Ewma:
+    """The mean of the first 1 / (1 - decay) samples, then an exponentially weighted one (so the
+    first few samples, often from an unusual stretch such as a generation's first steps, do not
+    outweigh the next ones)."""
+
     value: float = 0.0
     n: int = 0
 
     def update(self, x: float, decay: float) -> None:
-        self.value += (1.0 if self.n == 0 else 1.0 - decay) * (x - self.value)
         self.n += 1
+        self.value += max(1.0 / self.n, 1.0 - decay) * (x - self.value)
 
 
 @dataclass
@@ -55,10 +59,12 @@ class _Bucket:
 
 class BudgetTuner:
     """Per bucket: time every candidate `warmup` times (largest first: its steps also measure the
-    acceptance of every smaller one), then use the best measured rate. To follow the traffic,
-    the other candidates are re-timed in turn, each once the bucket has spent `explore_every`
-    times that candidate's step time since the last re-measurement, so exploring costs at most
-    1 / (explore_every + 1) of the time however dear a candidate is. Deterministic."""
+    acceptance of every smaller one), then use the best measured rate R. To follow the traffic,
+    the other candidates are re-timed in turn, largest first: candidate c (step time s, rate r)
+    once the bucket has spent explore_every * s * R / r seconds since the last re-measurement.
+    A candidate close to the best is re-checked soon, a poor one rarely, and the tokens lost to
+    exploring stay below r (R - r) / (explore_every R^2) <= 1 / (4 explore_every) of what the
+    best alone would commit, however dear or poor a candidate is. Deterministic."""
 
     def __init__(
         self,
@@ -84,11 +90,14 @@ class BudgetTuner:
         if fresh:  # measuring every candidate is exploring too
             st.since_explore = 0.0
             return fresh[-1]
-        best = self.best(bucket)
-        others = [c for c in self.candidates if c != best]
+        rates = self.rates(bucket)
+        best = max(self.candidates, key=lambda c: (rates[c], -c))
+        others = [c for c in reversed(self.candidates) if c != best]
         if others:
             nxt = others[st.turn % len(others)]
-            if st.since_explore >= self.explore_every * self._get(bucket, nxt).seconds.value:
+            behind = rates[best] / max(rates[nxt], 1e-9 * rates[best], 1e-30)  # R / r >= 1
+            wait = self.explore_every * self._get(bucket, nxt).seconds.value * behind
+            if st.since_explore >= wait:
                 st.turn += 1
                 st.since_explore = 0.0
                 return nxt
