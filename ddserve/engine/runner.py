@@ -26,6 +26,7 @@ from ddserve.engine.stream import StepOutput, Stream, stop_ids
 from ddserve.engine.threads import configure_cpu_threads
 from ddserve.kernels import backend
 from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
+from ddserve.model.moe import build_dequantized_caches
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":  # CPU tensor-parallel ranks share one host
             configure_cpu_threads(comm.world_size, engine_cfg.cpu_threads)
+            build_dequantized_caches(model)
         mc = self.model_cfg
         self.kv = LatentCache(
             mc.num_hidden_layers,

@@ -113,40 +113,47 @@ def moe_ref(
     """sum_j topk_weights[t, j] * down(silu(gate(x_t)) * up(x_t)) over expert topk_ids[t, j].
 
     The T * k (token, expert) pairs are sorted by expert (stable: token order within an expert),
-    so each expert is two matmuls over a contiguous run of rows and the elementwise work is one
-    op over all rows. A token's k results are summed into a zeroed row in ascending expert order,
-    whatever else is in the batch."""
+    so each expert is two matmuls over a contiguous run of rows (one op each: the runs and the
+    experts' matrices are views made once per call) and the elementwise work is one op over all
+    rows. A token's k results are summed into a zeroed row in ascending expert order, whatever
+    else is in the batch."""
     compute = torch.float32
     t, k = topk_ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
     flat = topk_ids.reshape(-1)  # [T*k]
     order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert
     counts = torch.bincount(flat, minlength=weights.num_experts).tolist()
     token = order // k  # [T*k] token of each sorted pair
     xs = x.to(compute).index_select(0, token)  # [T*k, H]
-    runs = _runs(counts)
-    gate_up = None
-    for e, start, n in runs:
-        w13, _ = weights.expert(e, compute)
-        if gate_up is None:
-            gate_up = xs.new_empty(t * k, w13.shape[0])  # [T*k, 2I]
-        torch.mm(xs[start : start + n], w13.t(), out=gate_up[start : start + n])
+    mats = _transposed(weights, [e for e, n in enumerate(counts) if n], compute)
+    gate_up = xs.new_empty(t * k, next(iter(mats.values()))[0].shape[1])  # [T*k, 2I]
+    for e, (xe, ge) in enumerate(zip(xs.split(counts), gate_up.split(counts), strict=True)):
+        if counts[e]:
+            torch.mm(xe, mats[e][0], out=ge)  # [n, H] @ [H, 2I]
     gate, up = gate_up.chunk(2, dim=-1)  # [T*k, I] each
     act = torch.nn.functional.silu(gate) * up  # [T*k, I]
     y = torch.empty_like(xs)  # [T*k, H]
-    for e, start, n in runs:
-        _, w2 = weights.expert(e, compute)
-        torch.mm(act[start : start + n], w2.t(), out=y[start : start + n])
+    for e, (ae, ye) in enumerate(zip(act.split(counts), y.split(counts), strict=True)):
+        if counts[e]:
+            torch.mm(ae, mats[e][1], out=ye)  # [n, I] @ [I, H]
     y *= topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(compute)
     out = torch.zeros(x.shape, dtype=compute, device=x.device)
     out.index_add_(0, token, y)
     return out.to(x.dtype)
 
 
-def _runs(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, first sorted row, rows) for every expert with rows."""
-    runs, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            runs.append((e, start, n))
-            start += n
-    return runs
+def _transposed(
+    weights: ExpertWeights, used: list[int], dtype: torch.dtype
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """expert -> (w13^T [H, 2I], w2^T [I, H]) in `dtype` for the `used` experts: views of the
+    dequantized copies when there are (two ops), else each expert's weights as `expert` gives."""
+    if weights.w13_dequant is not None and weights.w13_dequant.dtype == dtype:
+        w13 = weights.w13_dequant.transpose(1, 2).unbind(0)  # E x [H, 2I]
+        w2 = weights.w2_dequant.transpose(1, 2).unbind(0)  # E x [I, H]
+        return {e: (w13[e], w2[e]) for e in used}
+    mats = {}
+    for e in used:
+        w13, w2 = weights.expert(e, dtype)
+        mats[e] = (w13.t(), w2.t())
+    return mats

@@ -141,6 +141,14 @@ class RoutedExperts(nn.Module):
         return self._dequant[1], self._dequant[2]
 
 
+def build_dequantized_caches(model: nn.Module) -> None:
+    """Dequantize every INT4 expert layer of a CPU model now (engine start) rather than in the
+    first forward, so model loading pays for it and the first request does not."""
+    for module in model.modules():
+        if isinstance(module, RoutedExperts) and module.int4:
+            module.weights()
+
+
 def dequantized_cache_allowed(nbytes: int) -> bool:
     """Whether one layer's dequantized experts (`nbytes`) may be kept: DDSERVE_EXPERT_CACHE=off
     says never; otherwise when they fit in a quarter of the memory available now (so the layers
