@@ -14,7 +14,8 @@ repeats is kept. Reported per mode: tokens/s over all prompts (tokens / summed m
 prefill included) and the speed-up over `ar`. Every mode's tokens must equal `ar`'s (asserted).
 
 --cli: `ddserve generate` with and without --no-speculative, alternating, --cli-repeats times on
-the first prompt at the README's default settings (only --model/--prompt/--max-tokens given):
+the first prompt at the README's default settings (only --prompt and --max-tokens given, and
+--model when not the embedded pair):
 median wall clock of the whole command (interpreter start, model load, generation) and of the
 generation alone (the seconds its stats line prints), and their ratios.
 
@@ -158,7 +159,8 @@ STATS = re.compile(r"\[(\d+) tokens, (\d+) steps, ([\d.]+) tokens/step, ([\d.]+)
 
 def run_cli(a: argparse.Namespace, model: Path, prompt: str) -> dict:
     """`ddserve generate` at the README's defaults, DDTree and --no-speculative alternating."""
-    base = [sys.executable, "-m", "ddserve", "generate", "--model", str(model),
+    model_arg = ["--model", str(model)] if a.model else []  # the embedded pair: as the README
+    base = [sys.executable, "-m", "ddserve", "generate", *model_arg,
             "--prompt", prompt, "--max-tokens", str(a.max_tokens)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     runs: dict[str, list[dict]] = {"ddtree": [], "no_speculative": []}
