@@ -88,3 +88,14 @@ def test_default_candidates_and_bad_settings() -> None:
         BudgetTuner((-1, 4))
     with pytest.raises(ValueError):
         BudgetTuner((4,), explore_every=1)
+
+
+def test_a_tree_accepted_to_its_full_depth_makes_the_next_step_try_a_bigger_one() -> None:
+    tuner = BudgetTuner((4, 8, 16), warmup=1, explore_every=1000)
+    simulate(tuner, 1, lambda b: 1.0, lambda b: 1.0 + b, 4)  # warm-up: plain decoding wins
+    assert tuner.choose(1) == 0
+    tuner.record(1, 0, 1.0, 1.0, saturated=False)
+    tuner.record(1, 4, 5.0, 5.0, saturated=True)  # a 4-node chain, all accepted
+    assert tuner.choose(1) == 4  # the next larger than the best (plain)...
+    tuner.record(1, 4, 1.0, 5.0)
+    assert tuner.choose(1) == 0  # ...once

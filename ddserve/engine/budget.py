@@ -55,6 +55,7 @@ class _Candidate:
 class _Bucket:
     turn: int = 0  # round-robin position of the next candidate to re-measure
     since_explore: float = 0.0  # step seconds recorded since the last re-measurement
+    grow: bool = False  # the last step's tree was full to its depth: try the next larger one
 
 
 class BudgetTuner:
@@ -64,7 +65,10 @@ class BudgetTuner:
     once the bucket has spent explore_every * s * R / r seconds since the last re-measurement.
     A candidate close to the best is re-checked soon, a poor one rarely, and the tokens lost to
     exploring stay below r (R - r) / (explore_every R^2) <= 1 / (4 explore_every) of what the
-    best alone would commit, however dear or poor a candidate is. Deterministic."""
+    best alone would commit, however dear or poor a candidate is. One more rule: a step whose
+    tree was accepted to its full depth (`record(saturated=True)`) says nothing of how much more
+    a bigger tree would have taken, so the next step tries the next larger candidate, once; this
+    happens only where the drafter is doing well. Deterministic."""
 
     def __init__(
         self,
@@ -92,6 +96,10 @@ class BudgetTuner:
             return fresh[-1]
         rates = self.rates(bucket)
         best = max(self.candidates, key=lambda c: (rates[c], -c))
+        larger = [c for c in self.candidates if c > best]
+        if st.grow and larger:
+            st.grow, st.since_explore = False, 0.0
+            return larger[0]
         others = [c for c in reversed(self.candidates) if c != best]
         if others:
             nxt = others[st.turn % len(others)]
@@ -115,10 +123,14 @@ class BudgetTuner:
         tokens_per_stream: float,
         seconds: float,
         tokens_at: Mapping[int, float] | None = None,
+        saturated: bool = False,
     ) -> None:
         """One step at `budget`: its tokens per stream and seconds; `tokens_at` (optional, from
-        `tokens_at_budgets`) what smaller candidates would have committed in the same step."""
+        `tokens_at_budgets`) what smaller candidates would have committed in the same step;
+        `saturated`: a stream accepted the tree to its full depth (a deeper tree might have
+        committed more)."""
         self._get(bucket, budget).seconds.update(seconds, self.decay)
+        self._buckets.setdefault(bucket, _Bucket()).grow = saturated
         seen = {b: t for b, t in (tokens_at or {}).items() if b < budget and b in self.candidates}
         seen[budget] = tokens_per_stream
         below = None  # the next smaller candidate

@@ -171,7 +171,9 @@ class LLM:
         seconds = time.perf_counter() - t0
         committed = sum(len(o.tokens) for o in outs.values()) / len(sids)
         tokens_at = tokens_at_budgets(outs.values(), budget, self.tuner.candidates)
-        self.tuner.record(len(sids), budget, committed, seconds, tokens_at)
+        full = min(budget, self.runner.drafter.depth)  # the deepest node a budget-b tree has
+        saturated = budget > 0 and any(len(o.accepted_rows) >= full for o in outs.values())
+        self.tuner.record(len(sids), budget, committed, seconds, tokens_at, saturated)
         return outs, budget
 
     def _new_sid(self) -> int:
