@@ -157,3 +157,12 @@ def test_tuner_falls_back_to_plain_decoding_with_a_useless_drafter(tiny_model_di
     last = outs[-1].stats["budget_per_step"]
     assert last.count(0) >= 0.85 * len(last)  # plain steps, exploring the trees now and then
     assert isinstance(llm.tuner, BudgetTuner)
+
+
+def test_sampled_batches_keep_the_fixed_budget_so_a_seed_reproduces(tiny_model_dir) -> None:
+    llm = LLM(tiny_model_dir, drafter=RandomDrafter(264, depth=4, seed=2), budget=8,
+              device="cpu", num_slots=512, max_streams=2)  # fmt: skip
+    sp = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    first, again = (llm.generate(PROMPTS[:2], sp) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert set(first[0].stats["budget_per_step"]) == {8}  # not tuned: the tree shapes a sample

@@ -43,11 +43,13 @@ class LLM:
     runs ranks 1.. in spawned gloo worker processes. dtype "auto": float32 on the CPU, bfloat16
     on GPUs (`engine.config.resolve_dtype`).
 
-    Speculative steps pick their tree budget online (`tune_budget`, default on): a `BudgetTuner`
-    over plain decoding (budget 0) and `default_candidates(budget)` measures committed tokens per
-    second per batch size, so each batch size runs the fastest choice on this machine and falls
-    back to plain decoding where no tree pays. The tuner lives as long as the LLM (later calls
-    start from what earlier ones measured). Greedy output is the same whatever it picks.
+    Greedy speculative steps pick their tree budget online (`tune_budget`, default on): a
+    `BudgetTuner` over plain decoding (budget 0) and `default_candidates(budget)` measures
+    committed tokens per second per batch size, so each batch size runs the fastest choice on
+    this machine and falls back to plain decoding where no tree pays. The tuner lives as long as
+    the LLM (later calls start from what earlier ones measured). Greedy output is the same
+    whatever it picks; batches with a sampled stream (temperature > 0) use `budget`, since a
+    sample depends on the tree's shape and a seed should give the same text every time.
     `tune_budget=False`: every speculative step uses `budget`."""
 
     def __init__(
@@ -162,7 +164,10 @@ class LLM:
         `budget` if given, else the tuner's choice (timed for the tuner) or the engine's."""
         if not speculative:
             return self._call("ar_step", sids), 0
-        if budget is not None or self.tuner is None:
+        # a sampled stream's tokens depend on the tree (lossless in distribution, not token for
+        # token), so only greedy batches are tuned: seeded sampling stays reproducible
+        greedy = all(self.runner.streams[s].params.greedy for s in sids)
+        if budget is not None or self.tuner is None or not greedy:
             budget = self.runner.cfg.budget if budget is None else budget
             return self._call("ddtree_step", sids, budget), budget
         budget = self.tuner.choose(len(sids))
