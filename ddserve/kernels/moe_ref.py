@@ -138,8 +138,15 @@ def moe_ref(
         if counts[e]:
             torch.mm(ae, mats[e][1], out=ye)  # [n, I] @ [I, H]
     y *= topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(compute)
+    # Back to one row per (token, slot), each token's slots in ascending expert order (the order
+    # of the sorted pairs), then summed one slot at a time: a fixed order on every device, where
+    # index_add_ would use atomics on CUDA.
+    by_pair = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # [T, k, H]
+    ranked = topk_ids.argsort(dim=1, stable=True)  # [T, k] slots by expert
+    ys = by_pair.gather(1, ranked.unsqueeze(-1).expand_as(by_pair))  # [T, k, H]
     out = torch.zeros(x.shape, dtype=compute, device=x.device)
-    out.index_add_(0, token, y)
+    for j in range(k):
+        out += ys[:, j]
     return out.to(x.dtype)
 
 
