@@ -111,8 +111,9 @@ def test_ddtree_streams_over_two_shards_equal_greedy_autoregressive(ray_router, 
     stats = asyncio.run(engine.stats())
     assert stats["steps_total"] > 0 and stats["accepted_tokens_per_step"] >= 1.0
     assert stats["kv_slots_used"] == 0 and stats["healthy"]
-    # the online tuner tried budgets for the buckets it saw; output stayed exact regardless
-    assert stats["bucket_budgets"] and set(stats["bucket_budgets"].values()) <= {1, 3, BUDGET}
+    # the online tuner tried budgets for the buckets it saw (0: plain steps, which it may pick
+    # with this random drafter); output stayed exact regardless
+    assert stats["bucket_budgets"] and set(stats["bucket_budgets"].values()) <= {0, 1, 3, BUDGET}
 
 
 def test_streams_beyond_the_kv_pool_wait_for_slots(ray_router, greedy) -> None:

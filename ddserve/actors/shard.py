@@ -43,7 +43,8 @@ class ShardSpec:
 @dataclass(frozen=True)
 class Command:
     """One iteration of the step loop. `step` lists prefilled streams; `speculative` picks
-    ddtree_step over ar_step; `bucket`/`budget` are the padded batch size and its tree budget."""
+    ddtree_step over ar_step; `bucket`/`budget` are the padded batch size and its tree budget
+    (0: the empty tree, a plain step, which the budget tuner picks where drafting does not pay)."""
 
     cancel: tuple[Hashable, ...] = ()
     add: tuple[tuple[Hashable, list[int], SamplingParams], ...] = ()
@@ -140,7 +141,7 @@ class ShardWorker:
         if cmd.step:
             t1 = time.perf_counter()
             if cmd.speculative:
-                res.outputs.update(runner.ddtree_step(list(cmd.step), cmd.budget or None))
+                res.outputs.update(runner.ddtree_step(list(cmd.step), cmd.budget))  # 0: plain step
             else:
                 res.outputs.update(runner.ar_step(list(cmd.step)))
             res.step_s = time.perf_counter() - t1
