@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ddserve.kernels.moe_ref import (
     GROUP,
     PACK,
@@ -24,6 +26,7 @@ __all__ = [
     "PACK",
     "QuantConfig",
     "check_int4_split",
+    "checkpoint_int4",
     "dequantize_int4",
     "pack_int4",
     "parse_quant_config",
@@ -88,3 +91,15 @@ def check_int4_split(name: str, in_features: int, world_size: int) -> None:
             f"{name}: input dim {in_features} cannot be split across {world_size} ranks in whole "
             f"INT4 groups of {GROUP} (needs a multiple of {world_size * GROUP})"
         )
+
+
+def checkpoint_int4(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A `<stem>.weight` matrix [out, in] as the compressed-tensors tensors a checkpoint ships:
+    `weight_packed` [out, in / 8] int32, `weight_scale` [out, in / 32] bf16, `weight_shape`."""
+    stem = name.removesuffix(".weight")
+    packed, scale = quantize_int4(w.float())
+    return {
+        f"{stem}.weight_packed": packed,
+        f"{stem}.weight_scale": scale.to(torch.bfloat16),
+        f"{stem}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int32),
+    }

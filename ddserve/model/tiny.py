@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ddserve.config import ModelConfig
-from ddserve.model.quant import quantize_int4
+from ddserve.model.quant import checkpoint_int4
 from ddserve.tokenizer import SPECIALS, write_byte_tokenizer
 
 TINY_CONFIG: dict[str, Any] = {
@@ -130,11 +130,7 @@ def _to_checkpoint(tensors: dict[str, torch.Tensor], int4: bool) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if int4 and ".mlp.experts." in name:
-            stem = name.removesuffix(".weight")
-            packed, scale = quantize_int4(t)
-            out[f"{stem}.weight_packed"] = packed  # [out, in / 8] int32
-            out[f"{stem}.weight_scale"] = scale.to(torch.bfloat16)  # [out, in / 32]
-            out[f"{stem}.weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int32)
+            out.update(checkpoint_int4(name, t))
         elif name.endswith("e_score_correction_bias"):
             out[name] = t.float()
         else:

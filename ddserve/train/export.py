@@ -6,7 +6,7 @@ Written layout (what `ddserve.model.loader` and `transformers` read): `config.js
 `tokenizer_config.json` with the chat template). Everything is bf16 except the routing bias
 (float32) and, with `int4`, the routed experts: compressed-tensors `pack-quantized` as Kimi K2.6
 ships it (`weight_packed` int32, `weight_scale` bf16, `weight_shape`; symmetric, group 32), made
-by `ddserve.model.quant.quantize_int4`, with the `quantization_config` `make-tiny` writes.
+by `ddserve.model.quant.checkpoint_int4`, with the `quantization_config` `make-tiny` writes.
 
     python -m ddserve.train.export --ckpt IN --out OUT [--int4] [--tokenizer DIR]
 
@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddserve.model.quant import quantize_int4
+from ddserve.model.quant import checkpoint_int4
 from ddserve.model.tiny import INT4_QUANT_CONFIG
 
 if TYPE_CHECKING:
@@ -49,11 +49,7 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], int4: bool) -> dict[str, 
     for name, t in state.items():
         t = t.detach().cpu()
         if int4 and _is_expert(name):
-            stem = name.removesuffix(".weight")
-            packed, scale = quantize_int4(t.float())
-            out[f"{stem}.weight_packed"] = packed  # [out, in / 8] int32
-            out[f"{stem}.weight_scale"] = scale.to(torch.bfloat16)  # [out, in / 32]
-            out[f"{stem}.weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int32)
+            out.update(checkpoint_int4(name, t))
         elif name.endswith("e_score_correction_bias"):
             out[name] = t.float()
         else:
