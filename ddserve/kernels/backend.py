@@ -1,4 +1,31 @@
-"""The one place that chooses kernel backends. The choice is logged once per process."""
+"""The one place that chooses kernel backends. The choice is logged once per process.
+
+Which kernel serves what (an engine's forwards run inside `invariant_mode(EngineConfig
+.batch_invariant)`, default on; prompt chunks also inside `prefill_phase()`):
+
+CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the torch references.
+- tree attention: `tree_attn.tree_mla_attention_ref`
+- routed experts: `moe_ref.moe_ref` (INT4 experts dequantized once to float32 by the model)
+- linear, bmm_heads, rms_norm: `invariant_ref` (torch); row_sum: `invariant_ref.fixed_order_sum`
+  in batch-invariant mode, torch's sum otherwise
+
+CUDA, bf16 / fp16 activations, batch-invariant mode on:
+- linear, bmm_heads (any float dtype): `invariant._mm_kernel` (+ `_sum_splits_kernel` when the
+  configuration splits K), configurations from `invariant_configs.mm_config`: set "a" for 16-bit
+  weights, `_prefill` inside `prefill_phase()`, "tf32x3" for float32 weights (the Router's gate)
+- rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
+- tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
+  `tree_attn_invariant._tree_attn_inv_kernel` with preset "m32" (BM 32, BN 32, SPLIT 512, one
+  launch), `_combine_kernel` merging the splits when there is more than one
+- routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
+  kernel `moe_gluon`, experts repacked in place by `moe_w4_repack`, expert alignment
+  `moe_align.align_by_expert_triton` up to 2048 pairs and its torch version past that, fixed-order
+  sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from then on.
+  Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
+  from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).
+CUDA, batch-invariant mode off: the same MoE; tree attention `tree_attn_triton._tree_attn_kernel`
+(tiles tuned per call); linear / bmm_heads / rms_norm / row_sum in torch.
+"""
 
 from __future__ import annotations
 
