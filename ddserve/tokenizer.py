@@ -14,6 +14,11 @@ Special tokens in text: `encode(text, allow_special=False)` encodes special-toke
 text (user input must not inject control tokens); a rendered chat prompt, whose special tokens the
 template inserted, is encoded with `allow_special=True`. `allow_special=None` keeps each backend's
 historical default (HF: parsed; tiktoken: plain text).
+
+Text must be valid Unicode: a lone surrogate (JSON can carry one as `"\\ud800"`) has no UTF-8
+encoding, so `encode` refuses it with a `ValueError` naming the position (`check_unicode`).
+Encoding releases the GIL (HF: `encode_batch`), so a long prompt tokenized on a worker thread
+does not stall the event loop that serves other requests.
 """
 
 from __future__ import annotations
@@ -103,6 +108,18 @@ _MAX_CHUNK_CHARS = 400_000  # tiktoken's limit per call
 _MAX_RUN_CHARS = 25_000  # longest whitespace / non-whitespace run per call (tiktoken issue 195)
 
 
+def check_unicode(text: str) -> None:
+    """Raise ValueError if `text` has a lone surrogate (no valid UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        raise ValueError(
+            f"invalid Unicode: lone surrogate U+{bad:04X} at character {e.start} "
+            "(text must be valid UTF-8; escape surrogate pairs together)"
+        ) from None
+
+
 def _token_str(tok: str | dict | None) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
@@ -145,7 +162,8 @@ class HFBackend:
 
     def encode(self, text: str, allow_special: bool | None) -> list[int]:
         tok = self._plain if allow_special is False else self._tok
-        return tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while the Rust side works; encode holds it throughout
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -275,7 +293,9 @@ class Tokenizer:
         self, text: str, add_bos: bool = False, allow_special: bool | None = None
     ) -> list[int]:
         """`allow_special`: True turns special-token strings into their ids (rendered chat
-        prompts); False encodes them as plain text (user text); None is the backend's default."""
+        prompts); False encodes them as plain text (user text); None is the backend's default.
+        Raises ValueError for invalid Unicode (`check_unicode`)."""
+        check_unicode(text)
         ids = self._tok.encode(text, allow_special)
         if add_bos:
             if self.bos_token_id is None:

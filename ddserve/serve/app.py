@@ -1,26 +1,35 @@
 """The OpenAI-compatible FastAPI app over an EngineClient, and the Ray Serve application builder.
 
-`create_app(engine, model)` is plain FastAPI (tests drive it in-process against a fake engine);
-`build_app(config)` (in `ddserve.serve.deployment`, re-exported here) wraps it in a Serve
-deployment whose replica owns one Router actor and its shards.
+`create_app(engine, model, limits, api_key)` is plain FastAPI (tests drive it in-process against
+a fake engine); `build_app(config)` (in `ddserve.serve.deployment`, re-exported here) wraps it in a
+Serve deployment whose replica owns one Router actor and its shards.
 
-Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input,
-404 for an unknown model, 429 + Retry-After when the queue is full, 503 when the engine is dead.
+Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}` (`ddserve.serve.errors`):
+400 for bad input (including prompts over `HttpLimits`), 401 for a missing or wrong API key, 404
+for an unknown model or URL, 413 for a body over `max_body_bytes`, 429 + Retry-After when the
+queue is full, 503 + Retry-After when the engine failed. Prompts are tokenized and outputs
+detokenized on worker threads, so a large request never stalls the event loop (other streams,
+/health).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ddserve.actors.client import EngineClient, EngineDead, EngineError, QueueFull, RequestRejected
-from ddserve.serve import metrics
+from ddserve.actors.client import EngineClient, EngineDead, EngineError
+from ddserve.serve import errors, metrics
+from ddserve.serve.errors import engine_api_error, error_response
+from ddserve.serve.guards import ApiKeyGuard, BodyLimit
 from ddserve.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,7 +42,6 @@ from ddserve.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     Usage,
@@ -42,6 +50,11 @@ from ddserve.serve.protocol import (
 )
 from ddserve.serve.requests import ApiError, prepare_chat, prepare_completion
 from ddserve.serve.textgen import TextStream
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["HttpLimits", "ServedModel", "build_app", "create_app", "engine_api_error"]
 
 
 class TextTokenizer(Protocol):
@@ -60,67 +73,98 @@ class ServedModel:
     vocab_size: int | None = None  # the model's (embedding rows); ids must fit it too
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    body = ErrorResponse(
-        error=ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)
-    )
-    return JSONResponse(body.model_dump(), status_code=err.status, headers=err.headers)
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one request may cost before it is tokenized; all checked before any tokenization.
+
+    max_body_bytes: larger bodies get 413 unread. 8 MiB holds a prompt of `max_prompt_chars`
+        ASCII characters plus a 256k-token context as a JSON list of ids, or a 256k-token
+        context of CJK text (~300k characters) JSON-escaped as \\uXXXX (6 bytes each); beyond
+        that a body only costs memory and parse time.
+    max_prompt_chars: a completion prompt, or the message texts of a chat request summed, longer
+        than this gets 400 (code string_above_max_length). 2M characters is 8 per token of a
+        256k-token context, twice what English text averages, so a prompt that fits the context
+        is not refused here; tokenizing 2M characters takes a worker thread ~1-2 s.
+    max_prompt_tokens: prompts over this many tokens get 400 (code context_length_exceeded).
+        None: the served context length (a prompt must also leave room for one token).
+    """
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_chars: int = 2_000_000
+    max_prompt_tokens: int | None = None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """OpenAI-style (message, param) from pydantic errors: param is the top-level field."""
-    errors = exc.errors()
-    if errors[0].get("type") == "json_invalid":
-        return f"Malformed JSON body: {errors[0].get('msg')}", None
-
-    def field(e: dict) -> str | None:
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-        return loc[0] if loc else None
-
-    param = field(errors[0])
-    msgs = list(dict.fromkeys(e.get("msg", "") for e in errors if field(e) == param))
-    return f"Invalid value for '{param or 'body'}': {'; or '.join(msgs)}", param
+# Prompt tokenization: long prompts queue behind each other here, never on the event loop.
+# Detokenization has its own pool, so streams keep flowing while prompts are tokenized.
+TOKENIZE_THREADS, DETOKENIZE_THREADS = 4, 4
+OPEN_API = errors.responses  # shorthand for the routes' documented error codes
 
 
-def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
+def create_app(
+    engine: EngineClient,
+    model: ServedModel,
+    limits: HttpLimits = HttpLimits(),
+    api_key: str | None = None,
+) -> FastAPI:
     app = FastAPI(title="ddserve", docs_url=None, redoc_url=None)
     counters = metrics.HttpCounters()
+    errors.install(app, counters.finish)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, count=counters.finish)
+    if api_key is not None:  # outermost: an unauthenticated body is never read
+        app.add_middleware(ApiKeyGuard, api_key=api_key, count=counters.finish)
+    auth = (401,) if api_key is not None else ()
+    max_prompt_tokens = (
+        model.max_model_len if limits.max_prompt_tokens is None else limits.max_prompt_tokens
+    )
+    tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ddserve-tokenize")
+    detokenize = ThreadPoolExecutor(DETOKENIZE_THREADS, thread_name_prefix="ddserve-detokenize")
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        counters.finish("invalid")
-        message, param = _validation_message(exc)
-        return error_response(ApiError(400, message, param=param))
+    async def off_loop(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        call = functools.partial(fn, *args, **kw)
+        return await asyncio.get_running_loop().run_in_executor(tokenize, call)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        counters.finish(
-            "rejected" if exc.status == 429 else "invalid" if exc.status < 500 else "failed"
+    async def prepare(fn: Callable[..., T], req: Any) -> T:
+        return await off_loop(
+            fn,
+            req,
+            model.name,
+            model.tokenizer,
+            model.max_model_len,
+            model.vocab_size,
+            max_prompt_chars=limits.max_prompt_chars,
+            max_prompt_tokens=max_prompt_tokens,
         )
-        return error_response(exc)
 
-    @app.get("/health")
+    unhealthy_logged: list[str] = []
+
+    @app.get("/health", responses=OPEN_API(503))
     async def health() -> Response:
         stats = await engine.stats()
         if not stats.get("healthy", True):
-            msg = stats.get("error") or "engine unhealthy"
-            return error_response(ApiError(503, msg, type="service_unavailable"))
+            detail = str(stats.get("error") or "engine unhealthy")
+            if detail not in unhealthy_logged[-1:]:  # once per new cause: probes poll this
+                log.error("unhealthy: %s", detail)
+                unhealthy_logged.append(detail)
+            err = ApiError(503, errors.ENGINE_FAILED, type="service_unavailable")
+            return error_response(err)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    # /metrics needs the API key too when one is set: queue depth and token counts describe the
+    # traffic, which is the key holders' business (scrapers send the Bearer header).
+    @app.get("/metrics", responses=OPEN_API(*auth))
     async def get_metrics() -> Response:
         text = metrics.render(counters, await engine.stats())
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=OPEN_API(*auth))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        ids, params, stops = prepare_completion(
-            req, model.name, model.tokenizer, model.max_model_len, model.vocab_size
-        )
+    generation_errors = OPEN_API(400, *auth, 404, 413, 429, 503)
+
+    @app.post("/v1/completions", responses=generation_errors)
+    async def completions(req: CompletionRequest) -> Response:
+        ids, params, stops = await prepare(prepare_completion, req)
         rid = new_id("cmpl")
         stream = await _start(rid, ids, params, stops)
         if req.stream:
@@ -136,11 +180,9 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
             ).model_dump()
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-        ids, params, stops = prepare_chat(
-            req, model.name, model.tokenizer, model.max_model_len, model.vocab_size
-        )
+    @app.post("/v1/chat/completions", responses=generation_errors)
+    async def chat(req: ChatCompletionRequest) -> Response:
+        ids, params, stops = await prepare(prepare_chat, req)
         rid = new_id("chatcmpl")
         stream = await _start(rid, ids, params, stops)
         if req.stream:
@@ -159,7 +201,7 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
         )
 
     async def _start(rid: str, ids: list[int], params: Any, stops: list[str]) -> TextStream:
-        stream = TextStream(engine, model.tokenizer, rid, ids, params, stops)
+        stream = TextStream(engine, model.tokenizer, rid, ids, params, stops, detokenize)
         try:
             await stream.start()
         except EngineError as e:
@@ -229,9 +271,11 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
             status = "ok"
         except EngineError as e:  # the HTTP status is already sent: an error event instead
             status = "failed" if isinstance(e, EngineDead) else "invalid"
-            api = engine_api_error(e)
-            err = ErrorInfo(message=api.message, type=api.type, code=api.status)
-            yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
+            yield _error_event(engine_api_error(e))
+        except Exception:  # noqa: BLE001 - logged; the client gets an error event, not a cut
+            log.exception("stream %s failed", stream.request_id)
+            status = "failed"
+            yield _error_event(ApiError(500, errors.SERVER_ERROR, type="server_error"))
         finally:
             counters.finish(status, stream.prompt_tokens, stream.completion_tokens)
             await stream.close()
@@ -239,14 +283,9 @@ def create_app(engine: EngineClient, model: ServedModel) -> FastAPI:
     return app
 
 
-def engine_api_error(e: EngineError) -> ApiError:
-    """The HTTP error for an engine-side failure (see ddserve.actors.client)."""
-    if isinstance(e, QueueFull):
-        retry = str(max(1, round(e.retry_after)))
-        return ApiError(429, str(e), type="rate_limit_exceeded", headers={"Retry-After": retry})
-    if isinstance(e, RequestRejected):
-        return ApiError(400, str(e))
-    return ApiError(503, str(e), type="service_unavailable")
+def _error_event(api: ApiError) -> str:
+    err = ErrorInfo(message=api.message, type=api.type, code=api.status)
+    return f"data: {json.dumps({'error': err.model_dump()})}\n\n"
 
 
 class BaseModelLike(Protocol):

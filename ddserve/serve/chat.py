@@ -9,9 +9,14 @@ This is only done when it provably changes nothing else: the template text aroun
 with the contents put back, must equal the normal rendering. Templates that transform content
 (trim it, drop earlier reasoning from assistant turns, ...) fail that check; then only the
 non-assistant messages are marked, and if that fails too the whole rendered prompt is encoded
-with control tokens parsed, as other OpenAI-compatible servers do. Template and content meet at
-control tokens or line breaks in the templates we know, so the ids match whole-prompt encoding
-except where a message spells a control token.
+with control tokens parsed. A message whose text the template renders itself (unmarked) must
+not spell a control token, else `encode_chat` refuses the conversation (`ChatEncodingError`):
+message text never becomes a control token. Template and content meet at control tokens or line
+breaks in the templates we know, so the ids match whole-prompt encoding except where a message
+spells a control token.
+
+Roles are not marked: the HTTP layer admits only a fixed set of role names (plain words), so a
+role can never spell a control token.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use code points: never in real tem
 _MARKER = re.compile(f"{_OPEN}ddserve-content-(\\d+){_CLOSE}")
 
 
+class ChatEncodingError(ValueError):
+    """The conversation cannot be encoded with its message text kept as plain text."""
+
+
 def encode_chat(tok: Any, messages: list[dict[str, str]]) -> list[int]:
     """Prompt ids for `messages` (each {"role", "content": str}) with a generation prompt."""
     rendered = tok.apply_chat_template(messages)
@@ -31,12 +40,27 @@ def encode_chat(tok: Any, messages: list[dict[str, str]]) -> list[int]:
     for marked in (everyone, not_assistant):
         pieces = _pieces(tok, messages, set(marked), rendered)
         if pieces is not None:
+            _refuse_spelled_controls(tok, messages, set(marked))
             ids: list[int] = []
             for text, is_content in pieces:
                 if text:
                     ids += tok.encode(text, add_bos=False, allow_special=not is_content)
             return ids
+    _refuse_spelled_controls(tok, messages, set())
     return tok.encode(rendered, add_bos=False, allow_special=True)
+
+
+def _refuse_spelled_controls(tok: Any, messages: list[dict[str, str]], marked: set[int]) -> None:
+    """Unmarked contents are encoded with control tokens parsed: none may spell one."""
+    for i, m in enumerate(messages):
+        text = m["content"]
+        if i in marked or not text:
+            continue
+        if tok.encode(text, allow_special=True) != tok.encode(text, allow_special=False):
+            raise ChatEncodingError(
+                f"message {i} spells a control token, and this model's chat template rewrites "
+                "that message's text, so it cannot be kept as plain text"
+            )
 
 
 def _pieces(

@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response bodies (pydantic; the HTTP edge only).
 
 Requests accept unknown extra fields (clients send many we ignore). Anything we cannot honour
-(n > 1, logprobs, best_of) is rejected by the app with a 400 naming the field, never silently
-ignored. Responses follow the OpenAI wire format so the unmodified `openai` client parses them.
+(n > 1, logprobs, best_of, non-text content parts, tool roles) is rejected with a 400 naming the
+field, never silently ignored. Types are as strict as OpenAI's: booleans must be JSON booleans and
+integers JSON integers (`true`, `"5"` and `5.5` are refused), floats accept integers. Every text
+field must be valid Unicode (a lone surrogate is refused, `Text`). Responses follow the OpenAI
+wire format so the unmodified `openai` client parses them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,33 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
+
+from ddserve.tokenizer import check_unicode
+
+
+def _valid_unicode(v: str) -> str:
+    check_unicode(v)
+    return v
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Float = Annotated[float, Strict()]  # a JSON number: integers are fine, booleans and strings not
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+def quoted(s: str, limit: int = 40) -> str:
+    """`s` for an error message: quoted and shortened, so a huge input is not echoed whole."""
+    return repr(s if len(s) <= limit else s[:limit] + "...")
 
 
 class _Request(BaseModel):
@@ -19,7 +48,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
@@ -28,22 +57,23 @@ MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    model: Text | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
     # extension (vLLM/SGLang): 0 disables. Bounded so the engine's int64 tensors hold it.
-    top_k: int = Field(0, ge=0, le=2**31 - 1)
-    seed: int | None = None
+    top_k: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
+    seed: Int64 | None = None
     # OpenAI allows 4 stop strings; a few more are harmless, an unbounded list is a cost per token
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_IDS)] | None = None  # extension
-    ignore_eos: bool = False  # extension
-    stream: bool = False
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOPS)] | None = None
+    # extension
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_STOP_IDS)] | None = None
+    ignore_eos: StrictBool = False  # extension
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: StrictInt = 1
     logprobs: Any = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -66,29 +96,66 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     # A string, or one prompt given as token ids. A list of several prompts is rejected (n == 1).
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
+    echo: StrictBool = False
+    suffix: Text | None = None
+    best_of: StrictInt | None = None
+
+
+# The roles a chat message may have. "developer" is OpenAI's newer name for instructions that
+# outrank the user; the chat templates we serve know only "system", so it is sent as "system".
+# Tool roles are refused: this server has no tool calling, so there are no tool calls to answer.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+TEMPLATE_ROLE = {"developer": "system"}
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v in ("tool", "function"):
+            raise ValueError(f"the '{v}' role is not supported: this server has no tool calling")
+        if v not in CHAT_ROLES:
+            raise ValueError(f"unknown role {quoted(v)}: expected one of {', '.join(CHAT_ROLES)}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: str | list[dict[str, Any]] | None) -> Any:
+        for i, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type")
+            if kind != "text":
+                name = quoted(kind) if isinstance(kind, str) else "missing"
+                raise ValueError(
+                    f"content part {i} has type {name}: only 'text' parts are supported "
+                    "(this model reads text only)"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"content part {i} needs a string 'text'")
+            check_unicode(text)
+        return v
+
+    def template_role(self) -> str:
+        """The role as the chat template knows it ("developer" -> "system")."""
+        return TEMPLATE_ROLE.get(self.role, self.role)
 
     def text(self) -> str:
-        """The message's text: a string, or the concatenated `text` parts of a content list."""
+        """The message's text: a string, or the concatenated text parts of a content list."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return "".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
     def requested_max_tokens(self) -> int | None:
         return (

@@ -1,6 +1,9 @@
 """From a validated request body to what the engine runs: prompt ids, SamplingParams, stop strings.
 
 Every rejection is an `ApiError` naming the offending field, so the client learns what to fix.
+Prompt text is measured in characters before it is tokenized (`max_prompt_chars`), and in tokens
+after (`max_prompt_tokens`, at most the context length). These functions tokenize: the app runs
+them on a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import jinja2
 
 from ddserve.sampling import SamplingParams
 from ddserve.serve.chat import encode_chat
-from ddserve.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from ddserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 from ddserve.tokenizer import encode_prompt
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -49,6 +56,27 @@ def _check_common(req: _SamplingFields, served: str) -> None:
         raise ApiError(400, f"n={req.n} is not supported: only n=1.", param="n")
     if req.logprobs not in (None, False):
         raise ApiError(400, "logprobs are not supported.", param="logprobs")
+
+
+def _check_chars(n_chars: int, max_chars: int | None, param: str) -> None:
+    if max_chars is not None and n_chars > max_chars:
+        raise ApiError(
+            400,
+            f"The prompt has {n_chars} characters; this server accepts at most {max_chars}.",
+            param=param,
+            code="string_above_max_length",
+        )
+
+
+def _check_tokens(n_prompt: int, max_tokens: int | None, param: str) -> None:
+    if max_tokens is not None and n_prompt > max_tokens:
+        raise ApiError(
+            400,
+            f"The prompt has {n_prompt} tokens; this server accepts at most {max_tokens} "
+            "prompt tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _params(
@@ -101,7 +129,14 @@ def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None
 
 
 def prepare_completion(
-    req: CompletionRequest, served: str, tok: Any, ctx: int, model_vocab: int | None = None
+    req: CompletionRequest,
+    served: str,
+    tok: Any,
+    ctx: int,
+    model_vocab: int | None = None,
+    *,
+    max_prompt_chars: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> tuple[list[int], SamplingParams, list[str]]:
     _check_common(req, served)
     for field in ("echo", "suffix"):
@@ -118,9 +153,11 @@ def prepare_completion(
         prompt = prompt[0]
     vocab = _vocab(tok, model_vocab)
     if isinstance(prompt, str):  # the offline engine's ids for the same text
+        _check_chars(len(prompt), max_prompt_chars, "prompt")
         ids = encode_prompt(tok, prompt)
     else:
         ids = [int(t) for t in prompt]
+    _check_tokens(len(ids), max_prompt_tokens, "prompt")
     _check_token_ids(ids, vocab, "prompt")  # spelled specials can lie past the model's vocab
     _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")
     params = _params(req, req.max_tokens, len(ids), ctx, COMPLETION_DEFAULT_MAX_TOKENS)
@@ -128,10 +165,18 @@ def prepare_completion(
 
 
 def prepare_chat(
-    req: ChatCompletionRequest, served: str, tok: Any, ctx: int, model_vocab: int | None = None
+    req: ChatCompletionRequest,
+    served: str,
+    tok: Any,
+    ctx: int,
+    model_vocab: int | None = None,
+    *,
+    max_prompt_chars: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> tuple[list[int], SamplingParams, list[str]]:
     _check_common(req, served)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
+    _check_chars(sum(len(m["content"]) for m in messages), max_prompt_chars, "messages")
     try:  # the template's control tokens become ids; message text cannot forge them
         ids = encode_chat(tok, messages)
     except (ValueError, jinja2.TemplateError) as e:  # no template, or it refused the messages
@@ -141,6 +186,7 @@ def prepare_chat(
             "/v1/completions with a plain prompt.",
             param="messages",
         ) from e
+    _check_tokens(len(ids), max_prompt_tokens, "messages")
     vocab = _vocab(tok, model_vocab)
     _check_token_ids(ids, vocab, "messages")  # spelled specials can lie past the model's vocab
     _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")

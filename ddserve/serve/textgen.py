@@ -3,11 +3,14 @@
 `TextStream` is what both the streaming and the non-streaming endpoints iterate. It owns the
 request id on the engine side: when the consumer stops early (stop string, client disconnect,
 error) it aborts the engine request so the stream's KV slots are freed at the next step.
+Detokenization runs on `executor` (None: the event loop's default pool), never on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ddserve.actors.client import EngineClient, TokenDelta
@@ -36,6 +39,7 @@ class TextStream:
         prompt_ids: list[int],
         params: SamplingParams,
         stops: list[str],
+        executor: Executor | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_tokens = len(prompt_ids)
@@ -47,6 +51,7 @@ class TextStream:
         self._first: TokenDelta | None = None
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopChecker(stops)
+        self._executor = executor
 
     async def start(self) -> None:
         self._first = await anext(self._deltas)
@@ -55,8 +60,11 @@ class TextStream:
         assert self._first is not None, "call start() first"
         try:
             delta: TokenDelta | None = self._first
+            loop = asyncio.get_running_loop()
             while delta is not None:
-                out = self._consume(delta)
+                out = None
+                if delta.token_ids or delta.finish_reason is not None:
+                    out = await loop.run_in_executor(self._executor, self._consume, delta)
                 if out is not None:
                     yield out
                 if self.finished:
