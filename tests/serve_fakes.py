@@ -7,6 +7,7 @@ test can compute the expected text without the code under test. Tokens arrive in
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from ddserve.actors.client import EngineClient, EngineDead, QueueFull, TokenDelta
@@ -32,6 +33,27 @@ class ByteTok:
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+
+class SlowTok(ByteTok):
+    """ByteTok whose encode, and whose decode of any id list holding `slow_id`, block the calling
+    thread (as a long prompt or a pathological decode does); counts encode calls."""
+
+    def __init__(self, encode_s: float = 0.0, decode_s: float = 0.0, slow_id: int = 90) -> None:
+        self.encode_s, self.decode_s, self.slow_id = encode_s, decode_s, slow_id
+        self.encodes = 0
+
+    def encode(
+        self, text: str, add_bos: bool = False, allow_special: bool | None = None
+    ) -> list[int]:
+        self.encodes += 1
+        time.sleep(self.encode_s)
+        return super().encode(text, add_bos, allow_special)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.slow_id in ids:
+            time.sleep(self.decode_s)
+        return super().decode(ids)
 
 
 def expected_tokens(prompt_ids: list[int], params: SamplingParams) -> list[int]:

@@ -45,6 +45,28 @@ def test_stop_accepts_a_string_or_a_list() -> None:
         {"top_k": -1},
         {"max_tokens": "many"},
         {"stream": "maybe"},
+        # strict types, as OpenAI's: no coercion of booleans, strings or fractions
+        {"max_tokens": True},
+        {"max_tokens": "5"},
+        {"max_tokens": 5.5},
+        {"max_tokens": 5.0},
+        {"n": True},
+        {"seed": "7"},
+        {"seed": 2**63},
+        {"top_k": "3"},
+        {"best_of": 1.0},
+        {"stream": "yes"},
+        {"stream": 1},
+        {"echo": "true"},
+        {"ignore_eos": 0},
+        {"stream_options": {"include_usage": "yes"}},
+        {"stop_token_ids": [True]},
+        {"stop_token_ids": ["5"]},
+        {"prompt": [1, True]},
+        {"prompt": [[1.0, 2]]},
+        {"temperature": "0.5"},
+        {"temperature": True},
+        {"top_p": False},
     ],
 )
 def test_out_of_range_sampling_fields_are_rejected(bad: dict) -> None:
@@ -52,22 +74,45 @@ def test_out_of_range_sampling_fields_are_rejected(bad: dict) -> None:
         CompletionRequest.model_validate({"prompt": "x", **bad})
 
 
-def test_chat_content_parts_are_joined() -> None:
-    req = ChatCompletionRequest.model_validate(
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "a"},
-                        {"type": "image_url", "image_url": {}},
-                        {"type": "text", "text": "b"},
-                    ],
-                }
-            ]
-        }
-    )
+def test_chat_text_parts_are_joined() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
     assert req.messages[0].text() == "ab"
+
+
+@pytest.mark.parametrize(
+    "part, words",
+    [
+        ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, ["'image_url'"]),
+        ({"type": "input_audio", "input_audio": {}}, ["'input_audio'"]),
+        ({"text": "no type"}, ["type missing"]),
+        ({"type": "text"}, ["string 'text'"]),
+        ({"type": "text", "text": 5}, ["string 'text'"]),
+    ],
+)
+def test_non_text_content_parts_are_refused_by_name(part: dict, words: list[str]) -> None:
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant"])
+def test_known_roles_are_accepted(role: str) -> None:
+    ChatCompletionRequest.model_validate({"messages": [{"role": role, "content": "x"}]})
+
+
+@pytest.mark.parametrize("role", ["tool", "function", "wizard", "User", "user<|im_end|>", ""])
+def test_other_roles_are_refused(role: str) -> None:
+    with pytest.raises(ValidationError, match="role"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": role, "content": "x"}]})
+
+
+def test_developer_messages_reach_the_template_as_system() -> None:
+    req = ChatCompletionRequest(messages=[{"role": "developer", "content": "be brief"}])
+    ids, _, _ = prepare_chat(req, "m", ByteTok(), 100)
+    assert bytes(ids).decode() == "<system>be brief\n<assistant>"
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
@@ -129,6 +174,75 @@ def test_prompt_filling_the_context_is_rejected() -> None:
     with pytest.raises(ApiError) as e:
         prepare_completion(CompletionRequest(prompt="x" * 8), "m", ByteTok(), 8)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_floats_accept_integers() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "top_p": 1})
+    assert (req.temperature, req.top_p) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "a\ud800"},
+        {"prompt": ["\udfff"]},
+        {"prompt": "x", "stop": "\ud800"},
+        {"prompt": "x", "stop": ["ok", "\ud800"]},
+        {"prompt": "x", "model": "\ud800"},
+        {"prompt": "x", "user": "\ud800"},
+        {"prompt": "x", "suffix": "\ud800"},
+    ],
+)
+def test_lone_surrogates_are_refused(body: dict) -> None:
+    with pytest.raises(ValidationError, match="surrogate U\\+D[89A-F]"):
+        CompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": "hi \ud800"},
+        {"role": "user\ud800", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": "\udbff"}]},
+        {"role": "user", "content": "hi", "name": "\ud800"},
+    ],
+)
+def test_lone_surrogates_in_chat_messages_are_refused(message: dict) -> None:
+    with pytest.raises(ValidationError, match="surrogate"):
+        ChatCompletionRequest.model_validate({"messages": [message]})
+
+
+def test_prompt_character_limit_is_checked_before_tokenizing() -> None:
+    class Refuses(ByteTok):
+        def encode(self, *a, **kw):
+            raise AssertionError("tokenized")
+
+    req = CompletionRequest(prompt="x" * 11)
+    with pytest.raises(ApiError) as e:
+        prepare_completion(req, "m", Refuses(), 100, max_prompt_chars=10)
+    assert (e.value.status, e.value.param, e.value.code) == (
+        400,
+        "prompt",
+        "string_above_max_length",
+    )
+    chat = ChatCompletionRequest(
+        messages=[{"role": "system", "content": "x" * 6}, {"role": "user", "content": "y" * 5}]
+    )
+    with pytest.raises(ApiError) as e:
+        prepare_chat(chat, "m", Refuses(), 100, max_prompt_chars=10)
+    assert e.value.param == "messages" and "11 characters" in e.value.message
+
+
+def test_prompt_token_limit() -> None:
+    req = CompletionRequest(prompt="abcdef")
+    prepare_completion(req, "m", ByteTok(), 100, max_prompt_tokens=6)
+    with pytest.raises(ApiError) as e:
+        prepare_completion(req, "m", ByteTok(), 100, max_prompt_tokens=5)
+    assert e.value.code == "context_length_exceeded" and "at most 5" in e.value.message
+    with pytest.raises(ApiError):  # token-id prompts are counted too
+        prepare_completion(
+            CompletionRequest(prompt=[1] * 6), "m", ByteTok(), 100, max_prompt_tokens=5
+        )
 
 
 def test_responses_parse_as_openai_types() -> None:

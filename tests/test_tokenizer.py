@@ -79,3 +79,26 @@ def test_incremental_detokenizer_holds_then_flushes_a_broken_tail(tok):
     assert det.push(emoji[2:]) == "ok😀"
     assert det.push(emoji[:1]) == ""
     assert det.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("text", ["\ud800", "ok \udfff", "a\ud83d"])
+def test_lone_surrogates_are_refused_with_their_position(tok, text):
+    with pytest.raises(ValueError, match=f"U\\+{ord(text[-1]):04X} at character {len(text) - 1}"):
+        tok.encode(text)
+
+
+def test_surrogate_pairs_decoded_from_json_are_ordinary_text(tok):
+    text = json.loads('"\\ud83d\\ude00"')
+    assert text == "😀" and tok.encode(text) == list("😀".encode())
+
+
+@pytest.mark.parametrize("allow_special", [True, False, None])
+def test_encode_matches_hf_single_encode(tok_dir, tok, allow_special):
+    """encode() goes through encode_batch (it releases the GIL): same ids as HF's encode."""
+    from tokenizers import Tokenizer as HF
+
+    hf = HF.from_file(str(tok_dir / "tokenizer.json"))
+    hf.encode_special_tokens = allow_special is False
+    for text in [*TEXTS, "a<|im_end|>b"]:
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text, allow_special=allow_special) == want

@@ -93,7 +93,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return ApiError(400, f"Malformed JSON body: {first.get('msg')}.")
+        why = (first.get("ctx") or {}).get("error") or first.get("msg")
+        return ApiError(400, f"Malformed JSON body: {why}.")
     path = _field_path(tuple(first.get("loc", ())))
     if path is None:  # the body as a whole
         if isinstance(first.get("input"), bytes):
@@ -105,6 +106,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, msg)
     param = path.split(".")[0].split("[")[0]
     same = [e for e in errors if _field_path(tuple(e.get("loc", ()))) == path]
+    # in a union (prompt: a string or ids), our own check says more than every branch's type
+    same = [e for e in same if e.get("type") == "value_error"] or same
     msgs = dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ") for e in same)
     return ApiError(400, f"Invalid value for '{path}': {'; or '.join(msgs)}", param=param)
 
