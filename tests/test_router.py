@@ -57,9 +57,9 @@ def ray_router(model_dir, drafter_dir):
     # max_queue 3: three simultaneous requests always fit whatever the arrival timing
     cfg = RouterConfig(spec, max_streams=3, max_queue=3, control="fanout",
                        buckets=(1, 2, 4), budget_candidates=(1, 3, BUDGET))  # fmt: skip
-    router, info = asyncio.run(start_router(cfg))
-    yield RayEngineClient(router), info
-    ray.get(router.shutdown.remote())
+    group = asyncio.run(start_router(cfg))
+    yield RayEngineClient(group.router), group.info
+    asyncio.run(group.release())
     ray.shutdown()
 
 

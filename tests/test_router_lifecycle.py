@@ -75,16 +75,13 @@ def test_resources_no_node_offers_time_out_and_release_the_group(ray_one_cpu, mo
 
 
 def test_warmup_runs_every_batch_size_and_leaves_no_stream(ray_one_cpu, model_dir):
-    import ray
-
     from ddserve.actors.remote import RayEngineClient, start_router
 
-    router, info = asyncio.run(start_router(_config(model_dir, tp=1)))
+    group = asyncio.run(start_router(_config(model_dir, tp=1)))
     try:
-        stats = asyncio.run(RayEngineClient(router).stats())
-        assert info["speculative"] and stats["warmup_shapes"] == 2  # 1 and 2 streams at budget 4
+        stats = asyncio.run(RayEngineClient(group.router).stats())
+        assert group.info["speculative"] and stats["warmup_shapes"] == 2  # 1, 2 streams, budget 4
         assert stats["kv_slots_used"] == stats["active_streams"] == stats["steps_total"] == 0
     finally:
-        ray.get(router.shutdown.remote())
-        ray.kill(router)
+        asyncio.run(group.release())
     assert _released()

@@ -45,7 +45,15 @@ class RequestRejected(EngineError):
 
 
 class EngineDead(EngineError):
-    """A shard died or the engine is otherwise unable to serve (HTTP 503)."""
+    """A shard died or the engine is otherwise unable to serve (HTTP 503). `retry_after`: the
+    seconds until it is expected back (a rebuild under way; HTTP Retry-After), or None."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # keep retry_after across pickling (Ray re-raises in another process)
+        return (EngineDead, (str(self), self.retry_after))
 
 
 class EngineClient(ABC):

@@ -1,8 +1,16 @@
-"""EngineClient over a Router actor handle: Ray transport in, EngineError subclasses out."""
+"""The Ray side of a replica's engine: a Router and its shards started (and released) as one
+group, and EngineClient over the Router's handle: Ray transport in, EngineError subclasses out.
+
+Every call into the Router is bounded: a router that has died fails at once (Ray knows), and
+one that does not answer fails after a timeout, so no caller waits on a lost actor.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -11,15 +19,55 @@ from ray.util.placement_group import remove_placement_group
 
 from ddserve.actors.client import EngineClient, EngineDead, EngineError, TokenDelta
 from ddserve.actors.router import Router, RouterConfig
-from ddserve.actors.startup import reserve_shards
+from ddserve.actors.startup import one_line, reserve_shards
 from ddserve.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
 
-async def start_router(cfg: RouterConfig, name: str | None = None) -> tuple[Any, dict]:
+ACK_TIMEOUT_S = 30.0  # a live router queues a request (the first, empty delta) in milliseconds
+CALL_TIMEOUT_S = 5.0  # abort, stats, shutdown
+
+
+@dataclass
+class RouterGroup:
+    """A started Router with what it holds: the placement group of its shards (owned by the
+    process that called `start_router`, so it outlives the Router) and the shard handles."""
+
+    router: Any
+    pg: Any
+    info: dict
+    shards: list
+
+    def __post_init__(self) -> None:
+        self.client = RayEngineClient(self.router)
+
+    async def wait_failed(self) -> str:
+        """Returns, in user terms, why the group stopped serving: its step loop failed (a shard
+        died or failed) or the Router itself died. The Ray details go to the log."""
+        try:
+            return await self.router.wait_failed.remote()
+        except RayActorError as e:
+            log.error("the router actor died: %s", one_line(e))
+            return "the engine's router process died"
+
+    async def release(self) -> None:
+        """Stops the Router and kills it and its shards, and removes the placement group. A
+        Router that does not answer within CALL_TIMEOUT_S is killed without its shutdown (its
+        shards die with it: the Router owns them)."""
+        try:
+            await asyncio.wait_for(self.router.shutdown.remote(), CALL_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError):
+            pass  # dead already, or stuck: killed below
+        for actor in (self.router, *self.shards):
+            ray.kill(actor)
+        remove_placement_group(self.pg)
+
+
+async def start_router(cfg: RouterConfig, name: str | None = None) -> RouterGroup:
     """Reserve the shards' resources, then create the Router actor (it places, loads and warms
-    up its shards); returns (handle, model info). On failure nothing is left behind: the Router
-    and the placement group are gone. The placement group belongs to the caller, so it also
-    goes when the caller (a Serve replica) dies."""
+    up its shards). On failure (or cancellation) nothing is left behind: the Router and the
+    placement group are gone. The placement group belongs to the caller, so it also goes when
+    the caller (a Serve replica) dies."""
     pg = await reserve_shards(cfg)
     opts: dict[str, Any] = {"num_cpus": cfg.shard_cpus, "max_concurrency": 10_000}
     if name:
@@ -27,22 +75,26 @@ async def start_router(cfg: RouterConfig, name: str | None = None) -> tuple[Any,
     router = ray.remote(Router).options(**opts).remote(cfg, pg)
     try:
         info = await router.start.remote()
+        shards = await router.shards.remote()
     except BaseException:
         ray.kill(router)
         remove_placement_group(pg)
         raise
-    return router, info
+    return RouterGroup(router, pg, info, shards)
 
 
 def _translate(e: BaseException) -> BaseException:
     if isinstance(e, RayTaskError) and isinstance(e.cause, EngineError):
         return e.cause
-    if isinstance(e, RayActorError):
-        return EngineDead(f"the router actor died: {e}")
+    if isinstance(e, RayActorError):  # its details are logged once, by RouterGroup.wait_failed
+        return EngineDead("the engine's router process died")
     return e
 
 
 class RayEngineClient(EngineClient):
+    """`stats` raises EngineDead when the Router has died and TimeoutError when it does not
+    answer within CALL_TIMEOUT_S; `abort` never raises."""
+
     def __init__(self, router: Any) -> None:
         self.router = router
 
@@ -54,15 +106,15 @@ class RayEngineClient(EngineClient):
         )
         finished = False
         try:
-            async for ref in gen:
-                try:
-                    delta = await ref
-                except Exception as e:  # noqa: BLE001 - re-raised translated
-                    raise _translate(e) from None
+            try:
+                yield await asyncio.wait_for(_next(gen), ACK_TIMEOUT_S)  # queued: the empty ack
+            except asyncio.TimeoutError:
+                raise EngineDead(f"the engine did not queue the request within "
+                                 f"{ACK_TIMEOUT_S:g} s") from None  # fmt: skip
+            while not finished:
+                delta = await _next(gen)
                 finished = delta.finish_reason is not None
                 yield delta
-        except (RayActorError, RayTaskError) as e:
-            raise _translate(e) from None
         finally:
             if not finished:
                 try:
@@ -73,12 +125,22 @@ class RayEngineClient(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         try:
-            await self.router.abort.remote(request_id)
-        except RayActorError:
-            pass  # nothing left to abort
+            await asyncio.wait_for(self.router.abort.remote(request_id), CALL_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError):
+            pass  # nothing left to abort, or the router is stuck (its failure is seen elsewhere)
 
     async def stats(self) -> dict:
         try:
-            return await self.router.stats.remote()
+            return await asyncio.wait_for(self.router.stats.remote(), CALL_TIMEOUT_S)
         except RayActorError as e:
-            return {"healthy": False, "error": f"the router actor died: {e}"}
+            raise _translate(e) from None
+
+
+async def _next(gen: Any) -> TokenDelta:
+    """The next delta of a streaming `Router.generate`, errors translated."""
+    try:
+        return await (await gen.__anext__())
+    except StopAsyncIteration:
+        raise EngineDead("the engine stream ended without a finish_reason") from None
+    except (RayActorError, RayTaskError) as e:
+        raise _translate(e) from None

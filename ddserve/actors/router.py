@@ -1,12 +1,17 @@
 """Router actor: the request queue, stream admission and the step loop over the shards.
 
 The EngineClient seam as a Ray actor: `generate` (a streaming method), `abort`, `stats`.
-Requests wait in a bounded queue (full: QueueFull, the HTTP layer answers 429); up to
-`max_streams` run at once. A dedicated thread runs the step loop: each iteration sends one
-Command to every shard (cancel aborted streams, admit queued ones, one prefill chunk, one
-decode step over the prefilled streams) and hands each stream's new tokens to its request's
-asyncio queue on the actor's event loop. A failing shard marks the router dead: in-flight and
-queued requests fail with EngineDead at once, and so does every later request.
+Up to `max_streams` requests run at once and up to `max_queue` more wait: a request is refused
+with QueueFull (the HTTP layer answers 429) only when `max_streams + max_queue` are held, counting
+the streams decoding and the requests waiting (a waiting request moves into a free stream slot at
+the next step, so a burst into an idle router fills the slots before it fills the queue).
+
+A dedicated thread runs the step loop: each iteration sends one Command to every shard (cancel
+aborted streams, admit queued ones, one prefill chunk, one decode step over the prefilled
+streams) and hands each stream's new tokens to its request's asyncio queue on the actor's event
+loop. A failing shard marks the router dead: in-flight and queued requests fail with EngineDead
+at once, and so does every later request; `wait_failed` returns then (the replica's supervisor
+waits on it to rebuild the tensor-parallel group, supervisor.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 from ddserve.actors.budget import BudgetTuner
 from ddserve.actors.client import EngineDead, QueueFull, RequestRejected, TokenDelta
 from ddserve.actors.shard import Command, CommandResult, ShardSpec
-from ddserve.actors.startup import first_failure
+from ddserve.actors.startup import first_failure, one_line
 from ddserve.actors.stats import EngineStats
 from ddserve.actors.warmup import run_warmup, warmup_plan
 from ddserve.sampling import SamplingParams
@@ -94,6 +99,7 @@ class _Shared:
     wake: threading.Event = field(default_factory=threading.Event)
     waiting: deque = field(default_factory=deque)  # _Request, arrival order
     aborted: set = field(default_factory=set)
+    active: int = 0  # admitted streams (len of the Router's `_engine`, kept under the lock)
 
 
 class Router:
@@ -127,18 +133,25 @@ class Router:
     async def _start(self) -> dict:
         from ddserve.actors.shard_group import make_group
 
+        t0 = time.perf_counter()
         self._shards = self._place_shards()
         comm_id = await first_failure(self._shards[0].make_comm_id.remote())
+        t1 = time.perf_counter()
         infos = await first_failure(
             asyncio.gather(*[s.setup.remote(comm_id) for s in self._shards])
         )
         self.info = {**infos[0], "speculative": self.cfg.speculative and infos[0]["speculative"]}
+        t2 = time.perf_counter()
         self._group = make_group(self.cfg.control, self._shards, self.cfg.step_timeout_s)
         if self.cfg.warmup:
             plan = warmup_plan(self.cfg, self.info)
             await asyncio.to_thread(run_warmup, self._group, plan, self.info["vocab_size"])
             self._warmup_shapes = plan.total
+        t3 = time.perf_counter()
+        log.info("router: shard processes up %.1f s, communicator and weights %.1f s, "
+                 "control and warm-up %.1f s", t1 - t0, t2 - t1, t3 - t2)  # fmt: skip
         self._loop = asyncio.get_running_loop()
+        self._failed = asyncio.Event()
         threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True).start()
         return self.info
 
@@ -158,6 +171,17 @@ class Router:
             ).remote(i, spec)
             for i in range(spec.world_size)
         ]
+
+    async def wait_failed(self) -> str:
+        """Returns (the error) once the step loop has failed; pending until then."""
+        await self._failed.wait()
+        return self._error or "the engine failed"
+
+    async def pid(self) -> int:
+        """This actor's process id (fault-injection tests and bench/recovery.py kill it)."""
+        import os
+
+        return os.getpid()
 
     async def shards(self) -> list:
         """The shard actor handles, in rank order (diagnostics and fault-injection tests)."""
@@ -188,8 +212,9 @@ class Router:
         with self._s.lock:
             if self._error:
                 raise EngineDead(self._error)
-            if len(self._s.waiting) >= self.cfg.max_queue:
-                raise QueueFull(f"request queue is full ({len(self._s.waiting)} waiting)", 1.0)
+            held = self._s.active + len(self._s.waiting)
+            if held >= self.cfg.max_streams + self.cfg.max_queue:
+                raise QueueFull(f"the server is at capacity ({held} requests in progress)", 1.0)
             self._s.waiting.append(req)
         self._s.wake.set()
         finished = False
@@ -250,19 +275,19 @@ class Router:
             self._apply(cmd, res, time.perf_counter() - t0)
 
     def _next_command(self) -> Command | None:
-        with self._s.lock:
+        with self._s.lock:  # admission counts `active`: it changes with `_engine`, at once
             aborted, self._s.aborted = self._s.aborted, set()
             if aborted:
                 self._s.waiting = deque(r for r in self._s.waiting if r.rid not in aborted)
-            room = self.cfg.max_streams - len(self._engine)
+            cancel = [rid for rid in aborted if self._engine.pop(rid, None) is not None]
+            room = self.cfg.max_streams - len(self._engine)  # cancels run before admissions
             add = [self._s.waiting.popleft() for _ in range(min(room, len(self._s.waiting)))]
-        cancel = [rid for rid in aborted if self._engine.pop(rid, None) is not None]
-        step = [rid for rid, r in self._engine.items() if r.started]
-        pending = len(step) < len(self._engine) or bool(add)
+            step = [rid for rid, r in self._engine.items() if r.started]
+            pending = len(step) < len(self._engine) or bool(add)
+            self._engine.update((r.rid, r) for r in add)
+            self._s.active = len(self._engine)
         if not (cancel or add or pending or step):
             return None
-        for r in add:
-            self._engine[r.rid] = r
         bucket, budget = self.cfg.bucket(max(len(step), 1))
         if self._tuner is not None and step:
             # keyed by the real batch size: steps are not padded, so a bucket's batches differ
@@ -293,6 +318,8 @@ class Router:
             self._deliver(req, TokenDelta(list(out.tokens), out.finished))
             if out.finished:
                 del self._engine[rid]
+        with self._s.lock:  # streams only left `_engine` above: `active` was never too low
+            self._s.active = len(self._engine)
         self._kv_used = res.kv_slots_used
         if cmd.step:
             committed = sum(len(res.outputs[r].tokens) for r in cmd.step if r in res.outputs)
@@ -316,15 +343,16 @@ class Router:
     def _fail(self, e: Exception) -> None:
         import ray
 
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        with self._s.lock:
-            self._error = f"a tensor-parallel shard failed ({type(e).__name__}: {first})"
+        with self._s.lock:  # what clients see; the details (actor ids, pids, ...) are logged
+            self._error = "a tensor-parallel shard failed"
             doomed = list(self._engine.values()) + list(self._s.waiting)
             self._s.waiting.clear()
-        self._engine.clear()
-        log.error("router: %s; failing %d requests", self._error, len(doomed))
+            self._engine.clear()
+            self._s.active = 0
+        log.error("router: a shard failed (%s); failing %d requests", one_line(e), len(doomed))
         for req in doomed:
             self._deliver(req, EngineDead(self._error))
+        self._loop.call_soon_threadsafe(self._failed.set)
         self._group.close()
         for s in self._shards:  # release devices; survivors may be stuck in a collective
             ray.kill(s)

@@ -2,8 +2,10 @@
 
 `build_app(args)` is the application builder `serve run` / `serve deploy` call with the
 `args:` of deploy/serve_config.yaml; `ddserve serve` calls it too. One Serve replica = one model
-replica (tp shards); scale out with `num_replicas`. A replica whose router has lost a shard
-fails its health check, so Serve replaces it (and with it the router and the shards).
+replica (tp shards); scale out with `num_replicas`. A replica whose router or one of its shards
+dies rebuilds that tensor-parallel group itself, answering 503 with Retry-After meanwhile
+(supervisor.py); after `rebuild_attempts` failed attempts it fails its health check, so Serve
+replaces it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class ServeConfig(BaseModel):
     # prefixes up to warmup_max_prefix tokens (longer ones capture their graphs on first use)
     warmup: bool = True
     warmup_max_prefix: int = Field(16384, ge=256)
+    # starts tried after a shard or the router died, with back-off, before the replica reports
+    # unhealthy and Serve replaces it; 0: no rebuild (the replica is replaced at once)
+    rebuild_attempts: int = Field(3, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
@@ -188,7 +193,8 @@ def _default_name() -> str:
 @serve.ingress()
 class OpenAIServer:
     async def __init__(self, config: dict[str, Any]) -> None:
-        from ddserve.actors.remote import RayEngineClient, start_router
+        from ddserve.actors.remote import start_router
+        from ddserve.actors.supervisor import RebuildPolicy, SupervisedEngine
         from ddserve.serve.app import ServedModel
         from ddserve.tokenizer import Tokenizer
 
@@ -198,10 +204,16 @@ class OpenAIServer:
         cfg, name = serve_cfg.resolve()
         tok = Tokenizer.from_dir(cfg.shard.model_path)
         replica = serve.get_replica_context().replica_id.unique_id
-        self._router, info = await start_router(cfg, name=f"ddserve-router-{replica}")
+
+        def start(generation: int) -> Any:  # a fresh name: the dead router's may not be free yet
+            suffix = "" if generation == 1 else f"-{generation}"
+            return start_router(cfg, name=f"ddserve-router-{replica}{suffix}")
+
+        policy = RebuildPolicy(attempts=serve_cfg.rebuild_attempts)
+        self._engine = SupervisedEngine(start, policy)
+        info = await self._engine.start()
         ctx = min(info["max_position_embeddings"], cfg.shard.num_slots - cfg.shard.budget - 1)
         self._model = ServedModel(name, ctx, tok, info["vocab_size"])
-        self._engine = RayEngineClient(self._router)
         log.info(
             "ddserve replica %s: %s tp=%d on %s, speculative=%s, control=%s",
             replica,
@@ -218,13 +230,11 @@ class OpenAIServer:
         return create_app(self._engine, self._model)
 
     async def check_health(self) -> None:
-        stats = await self._engine.stats()
-        if not stats.get("healthy", True):
-            raise RuntimeError(stats.get("error") or "engine unhealthy")
+        await self._engine.check_health()  # a rebuild under way is healthy: see its docstring
 
     async def __del__(self) -> None:
         try:
-            await self._router.shutdown.remote()
+            await self._engine.close()
         except Exception:  # noqa: BLE001 - the router may already be gone
             pass
 

@@ -1,0 +1,254 @@
+"""Time from `kill -9` of a shard or of the router to the first successful request, against
+`ddserve serve` on this machine (real Ray, real HTTP on 127.0.0.1).
+
+    python bench/recovery.py --out recovery.json      # starts `ddserve serve` (CPU default, tp=2)
+    python bench/recovery.py --url http://127.0.0.1:8000 --ray-address 127.0.0.1:6379 --kill shard
+
+Each kill (in --kill's order, --rounds times) opens a stream and reads its first text, sends
+SIGKILL to the process (the router's, or shard rank --rank's; found through the replica's named
+router actor), then records:
+- in_flight: how the open stream ended (`error`: an SSE error event; `done`: it finished;
+  `cut`: the connection closed without either) and when, in seconds after the kill;
+- probes: a small completion every --probe-interval s, each limited to --probe-timeout s, until
+  one succeeds: its status (0: no answer in time, a hang), answer time and Retry-After;
+- first_success_s: from the kill to the first 200.
+Before each kill it waits until a probe succeeds, so the rounds are independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--url", help="a running server (default: start `ddserve serve` here)")
+    ap.add_argument("--ray-address", help="its Ray GCS address (needed with --url)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra `ddserve serve` argument when the script starts it (repeatable)")
+    ap.add_argument("--kill", action="append", choices=["shard", "router"],
+                    help="what to kill, in order (repeatable; default: shard, then router)")
+    ap.add_argument("--rank", type=int, default=1, help="the shard rank killed")
+    ap.add_argument("--rounds", type=int, default=1, help="times the --kill sequence runs")
+    ap.add_argument("--probe-interval", type=float, default=0.25)
+    ap.add_argument("--probe-timeout", type=float, default=5.0)
+    ap.add_argument("--max-wait", type=float, default=300.0, help="give up on one kill after")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--server-log", type=Path, help="write the started server's output here")
+    return ap.parse_args(argv)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server = None
+    if args.url is None:
+        server = start_server(args.serve_arg)
+        url, gcs = server.url, server.gcs
+    elif args.ray_address is None:
+        raise SystemExit("--url needs --ray-address (to find the actors to kill)")
+    else:
+        url, gcs = args.url.rstrip("/"), args.ray_address
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the server's Ray
+    ray.init(address=gcs, logging_level="ERROR")
+    results = []
+    try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for _ in range(args.rounds):
+            for what in args.kill or ["shard", "router"]:
+                r = measure_kill(url, model, what, rank=args.rank, interval=args.probe_interval,
+                                 timeout=args.probe_timeout, max_wait=args.max_wait)  # fmt: skip
+                results.append(r)
+                print(json.dumps(summary(r)), flush=True)
+    finally:
+        ray.shutdown()
+        if server is not None:
+            server.stop()
+            if args.server_log:
+                args.server_log.write_text("".join(server.lines))
+    out = {"machine": platform.node(), "cpus": os.cpu_count(), "url": url,
+           "serve_args": args.serve_arg, "results": results}  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if all(r["first_success_s"] is not None for r in results) else 1
+
+
+def summary(r: dict) -> dict:
+    codes: dict[str, int] = {}
+    for p in r["probes"]:
+        codes[str(p["status"])] = codes.get(str(p["status"]), 0) + 1
+    answered = [p["answer_s"] for p in r["probes"] if p["status"]]
+    return {
+        "kill": r["kill"],
+        "in_flight": r["in_flight"],
+        "first_success_s": r["first_success_s"],
+        "probe_statuses": codes,
+        "slowest_answer_s": max(answered, default=None),
+        "retry_after": sorted({p["retry_after"] for p in r["probes"] if p["retry_after"]}),
+    }
+
+
+# ---- one kill --------------------------------------------------------------------------------
+def measure_kill(url: str, model: str, what: str, rank: int = 1, interval: float = 0.25,
+                 timeout: float = 5.0, max_wait: float = 300.0) -> dict:  # fmt: skip
+    """Kill the router or a shard under an open stream; probe until the first success. Needs
+    `ray.init` to the server's cluster in this process."""
+    wait_serving(url, model, max_wait)
+    stream = OpenStream(url, model)
+    stream.first_text.wait(120)
+    pid = target_pid(what, rank)
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    probes, first_success = [], None
+    while time.monotonic() - t_kill < max_wait:
+        p = probe(url, model, timeout)
+        p["at_s"] = round(time.monotonic() - t_kill - p["answer_s"], 3)
+        probes.append(p)
+        if p["status"] == 200:
+            first_success = round(time.monotonic() - t_kill, 3)
+            break
+        time.sleep(interval)
+    stream.done.wait(30)
+    end = None if stream.ended is None else round(stream.ended - t_kill, 3)
+    return {"kill": what, "pid": pid, "in_flight": {"end": stream.how, "after_s": end},
+            "first_success_s": first_success, "probes": probes}  # fmt: skip
+
+
+def target_pid(what: str, rank: int) -> int:
+    router = live_router()
+    if what == "router":
+        return ray_get(router.pid.remote())
+    shards = ray_get(router.shards.remote())
+    return ray_get(shards[rank].pid.remote())
+
+
+def live_router():
+    """The replica's router actor that answers (a dead one's name may linger a moment)."""
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith("ddserve-router"):
+            try:
+                handle = ray.get_actor(a["name"], namespace=a["namespace"])
+                ray_get(handle.pid.remote())
+                return handle
+            except Exception:  # noqa: BLE001 - dead or going: try the next
+                continue
+    raise RuntimeError("no live ddserve-router actor")
+
+
+def ray_get(ref, timeout: float = 10.0):
+    import ray
+
+    return ray.get(ref, timeout=timeout)
+
+
+def probe(url: str, model: str, timeout: float) -> dict:
+    body = {"model": model, "prompt": "ping", "max_tokens": 2, "temperature": 0}
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+        status, retry = r.status_code, r.headers.get("retry-after")
+    except httpx.HTTPError:
+        status, retry = 0, None  # no answer within the timeout (or the connection failed)
+    return {"status": status, "answer_s": round(time.monotonic() - t0, 3), "retry_after": retry}
+
+
+def wait_serving(url: str, model: str, max_wait: float) -> None:
+    deadline = time.monotonic() + max_wait
+    while probe(url, model, 30)["status"] != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} is not serving")
+        time.sleep(0.5)
+
+
+class OpenStream:
+    """A long streaming completion read on a thread: `first_text` is set once text arrived,
+    `how` says how it ended (error, done, cut) and `ended` when (monotonic)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.first_text, self.done = threading.Event(), threading.Event()
+        self.how, self.ended, self.error = None, None, None
+        body = {"model": model, "prompt": "doomed", "max_tokens": 1500, "stream": True,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        threading.Thread(target=self._read, args=(url, body), daemon=True).start()
+
+    def _read(self, url: str, body: dict) -> None:
+        how = "cut"
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith('data: {"error"'):
+                        how, self.error = "error", json.loads(line[6:])["error"]
+                        break
+                    if line == "data: [DONE]":
+                        how = "done"
+                        break
+                    if '"text":"' in line:
+                        self.first_text.set()
+        except httpx.HTTPError:
+            pass
+        self.how, self.ended = how, time.monotonic()
+        self.first_text.set()
+        self.done.set()
+
+
+# ---- a server of our own ---------------------------------------------------------------------
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, gcs: str, lines: list[str]) -> None:
+        self.proc, self.url, self.gcs, self.lines = proc, url, gcs, lines
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the session it was started in
+            self.proc.wait(10)
+
+
+def start_server(extra: list[str], startup_s: float = 300.0) -> Server:
+    """`ddserve serve` on a free port of 127.0.0.1 in a new session; returns once it serves."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "ddserve", "serve", "--port", str(port), *extra]
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **out)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ddserve: serving on"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(startup_s):
+        Server(proc, "", "", lines).stop()
+        raise RuntimeError("server did not start:\n" + "".join(lines[-40:]))
+    gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
+    return Server(proc, f"http://127.0.0.1:{port}", gcs, lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
