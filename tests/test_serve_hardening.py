@@ -140,6 +140,12 @@ def test_real_server_answers_413_to_an_announced_50mb_body_and_stays_healthy() -
 # ---- prompt size ----------------------------------------------------------------------------
 
 
+def test_default_limits_admit_a_prompt_of_the_character_limit() -> None:
+    limits = HttpLimits()
+    body = json.dumps({"prompt": "x" * limits.max_prompt_chars, "stop_token_ids": [1] * 64})
+    assert len(body) < limits.max_body_bytes and limits.max_prompt_tokens is None
+
+
 def test_prompt_over_the_character_limit_is_400_before_tokenizing() -> None:
     tok = SlowTok()
     app = _app(tok=tok, limits=HttpLimits(max_prompt_chars=100))
@@ -502,6 +508,14 @@ def test_engine_death_is_a_plain_503_and_the_detail_is_logged(after_ack, caplog)
     assert r.headers["retry-after"].isdigit()
     _no_leaks(r.text)
     assert "ip=10.1.2.3" in caplog.text
+
+
+def test_a_rebuild_under_way_is_a_503_with_its_expected_time() -> None:
+    dead = EngineDead(INTERNAL)
+    dead.retry_after = 7.4  # the supervisor's estimate: the last start's duration
+    r = _call(_app(engine=_Failing(dead, False)), "POST", "/v1/completions", json={"prompt": "x"})
+    assert "restarting" in _openai_error(r, 503)["message"] and r.headers["retry-after"] == "7"
+    _no_leaks(r.text)
 
 
 def test_engine_death_mid_stream_is_a_plain_error_event() -> None:

@@ -27,6 +27,7 @@ from ddserve.serve.requests import ApiError
 log = logging.getLogger(__name__)
 
 ENGINE_FAILED = "The model server failed; retry later."
+ENGINE_RESTARTING = "The model server is restarting after a failure; retry after {} s."
 SERVER_ERROR = "The server had an error while processing your request; retry later."
 ENGINE_RETRY_AFTER_S = 5  # a dead engine is replaced by Serve (or rebuilt) in seconds, not ms
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -59,12 +60,11 @@ def engine_api_error(e: EngineError) -> ApiError:
         log.info("request rejected by the engine: %s", e)
         return ApiError(400, f"The request cannot run on this server: {_first_line(str(e))}")
     log.error("engine failure (%s): %s", type(e).__name__, e)
-    return ApiError(
-        503,
-        ENGINE_FAILED,
-        type="service_unavailable",
-        headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)},
-    )
+    # EngineDead.retry_after: seconds until a rebuild under way is expected to finish, or None
+    expected = getattr(e, "retry_after", None)
+    retry = ENGINE_RETRY_AFTER_S if expected is None else max(1, round(expected))
+    message = ENGINE_FAILED if expected is None else ENGINE_RESTARTING.format(retry)
+    return ApiError(503, message, type="service_unavailable", headers={"Retry-After": str(retry)})
 
 
 def _first_line(text: str, limit: int = 300) -> str:
