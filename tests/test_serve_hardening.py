@@ -146,6 +146,12 @@ def test_default_limits_admit_a_prompt_of_the_character_limit() -> None:
     assert len(body) < limits.max_body_bytes and limits.max_prompt_tokens is None
 
 
+@pytest.mark.parametrize("field", ["max_body_bytes", "max_prompt_chars", "max_prompt_tokens"])
+def test_limits_must_be_positive(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        HttpLimits(**{field: 0})
+
+
 def test_prompt_over_the_character_limit_is_400_before_tokenizing() -> None:
     tok = SlowTok()
     app = _app(tok=tok, limits=HttpLimits(max_prompt_chars=100))

@@ -75,7 +75,8 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """What one request may cost before it is tokenized; all checked before any tokenization.
+    """What one request may cost. Body size and prompt characters are checked before anything
+    is tokenized; prompt tokens right after tokenizing, before the engine sees the request.
 
     max_body_bytes: larger bodies get 413 unread. 8 MiB holds a prompt of `max_prompt_chars`
         ASCII characters plus a 256k-token context as a JSON list of ids, or a 256k-token
@@ -93,6 +94,12 @@ class HttpLimits:
     max_prompt_chars: int = 2_000_000
     max_prompt_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"HttpLimits.{name} must be at least 1, got {value}")
+
 
 # Prompt tokenization: long prompts queue behind each other here, never on the event loop.
 # Detokenization has its own pool, so streams keep flowing while prompts are tokenized.
@@ -106,6 +113,8 @@ def create_app(
     limits: HttpLimits = HttpLimits(),
     api_key: str | None = None,
 ) -> FastAPI:
+    """The app. `api_key`: when set, every path but /health needs `Authorization: Bearer <key>`
+    (401 otherwise); None serves without authentication."""
     app = FastAPI(title="ddserve", docs_url=None, redoc_url=None)
     counters = metrics.HttpCounters()
     errors.install(app, counters.finish)
@@ -119,12 +128,9 @@ def create_app(
     tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ddserve-tokenize")
     detokenize = ThreadPoolExecutor(DETOKENIZE_THREADS, thread_name_prefix="ddserve-detokenize")
 
-    async def off_loop(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        call = functools.partial(fn, *args, **kw)
-        return await asyncio.get_running_loop().run_in_executor(tokenize, call)
-
     async def prepare(fn: Callable[..., T], req: Any) -> T:
-        return await off_loop(
+        """`prepare_completion` / `prepare_chat` (they tokenize) on the tokenizer pool."""
+        call = functools.partial(
             fn,
             req,
             model.name,
@@ -134,17 +140,19 @@ def create_app(
             max_prompt_chars=limits.max_prompt_chars,
             max_prompt_tokens=max_prompt_tokens,
         )
+        return await asyncio.get_running_loop().run_in_executor(tokenize, call)
 
-    unhealthy_logged: list[str] = []
+    last_unhealthy = ""
 
     @app.get("/health", responses=OPEN_API(503))
     async def health() -> Response:
         stats = await engine.stats()
         if not stats.get("healthy", True):
+            nonlocal last_unhealthy
             detail = str(stats.get("error") or "engine unhealthy")
-            if detail not in unhealthy_logged[-1:]:  # once per new cause: probes poll this
+            if detail != last_unhealthy:  # once per new cause: probes poll this
                 log.error("unhealthy: %s", detail)
-                unhealthy_logged.append(detail)
+                last_unhealthy = detail
             err = ApiError(503, errors.ENGINE_FAILED, type="service_unavailable")
             return error_response(err)
         return JSONResponse({"status": "ok"})
