@@ -1,17 +1,19 @@
-"""Offline sm_90 compile of the batch-invariant matmul for every config set (no GPU needed).
+"""Offline sm_90 compile of the batch-invariant matmul in its configurations (no GPU needed).
 
 Compiles `invariant._mm_kernel` as `_launch` launches it (16-byte aligned pointers, row strides
-divisible by 16, unit stride along K) at the bench_dense shapes, for each candidate set of
-`invariant_configs`, and reports per (set, weight): shared memory, registers and spill bytes
-(ptxas -v), whether the loads are pipelined (cp.async) and whether the dot is a wgmma. A kernel
-that spills or does not pipeline will be slow on the GPU whatever its tiles.
+divisible by 16, unit stride along K) at the bench_dense shapes, with the configurations of
+`invariant_configs` for decode / verify forwards and for prompt chunks (`backend.prefill_phase()`),
+and reports per (phase, weight): shared memory, registers and spill bytes (ptxas -v), whether the
+loads are pipelined (cp.async) and whether the dot is a wgmma. A kernel that spills or does not
+pipeline will be slow on the GPU whatever its tiles.
 
-    PYTHONPATH=. python3 bench/aot_dense.py --sets a,b,c,tf32x3 [--json out.json]
+    PYTHONPATH=. python3 bench/aot_dense.py [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -24,7 +26,7 @@ from bench_dense import OPS, H, is_matmul
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ddserve.kernels import invariant, invariant_configs
+from ddserve.kernels import backend, invariant, invariant_configs
 
 STRIDES = ["sxm", "sxh", "sxk", "swh", "swk", "swn", "sys_", "sym", "syh", "syn"]
 UNIT = {"sxk": 1, "swk": 1, "syn": 1}  # linear: x, w contiguous along K, y along N
@@ -66,21 +68,20 @@ def compile_one(cfg: invariant_configs.MMConfig, k: int, dtype: torch.dtype) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sets", default="a,b,c,ieee,ieee64,tf32x3")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     out: dict = {}
-    for s in a.sets.split(","):
-        fp32 = s in invariant_configs.FP32_SETS
-        fn = invariant_configs.FP32_SETS[s] if fp32 else invariant_configs.DENSE_SETS[s]
+    for s in ("decode", "prefill"):
         for name, (kind, n, k) in OPS.items():
-            if not is_matmul(kind) or (kind == "router") != fp32:
+            fp32 = kind == "router"
+            if not is_matmul(kind) or (fp32 and s == "prefill"):
                 continue
-            cfg = fn(n, k, H if kind.startswith("bmm") else 1)
+            dtype = torch.float32 if fp32 else torch.bfloat16
+            phase = backend.prefill_phase() if s == "prefill" else contextlib.nullcontext()
+            with phase:
+                cfg = invariant_configs.mm_config(n, k, dtype, H if kind.startswith("bmm") else 1)
             try:
-                rec = dict(
-                    cfg._asdict(), **compile_one(cfg, k, torch.float32 if fp32 else torch.bfloat16)
-                )
+                rec = dict(cfg._asdict(), **compile_one(cfg, k, dtype))
             except Exception as e:  # noqa: BLE001 - report and go on
                 rec = dict(cfg._asdict(), error=f"{type(e).__name__}: {str(e)[:300]}")
             out.setdefault(s, {})[name] = rec

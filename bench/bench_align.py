@@ -1,4 +1,4 @@
-"""Expert alignment: the torch ops (`moe_triton_v1.align_by_expert`) vs the one-launch Triton kernel
+"""Expert alignment: the torch ops (`moe_align.align_by_expert`) vs the one-launch Triton kernel
 (`moe_align.align_by_expert_triton`), CUDA-graph replays (do_bench medians), E=384, k=8.
 
 For each T and bm: both times, their ratio, whether the outputs are equal, the time of the Triton
@@ -35,8 +35,7 @@ def _case(t: int, k: int, e: int, bm: int, gen, sweep: bool) -> dict:
     import torch
     from _util import time_ms
 
-    from ddserve.kernels.moe_align import _num_warps, align_by_expert_triton
-    from ddserve.kernels.moe_triton_v1 import align_by_expert
+    from ddserve.kernels.moe_align import _num_warps, align_by_expert, align_by_expert_triton
 
     ids = _topk(t, k, e, gen)
     want = align_by_expert(ids, e, bm)

@@ -5,25 +5,26 @@ once per (variant, M) and its replay timed with triton's do_bench (median, L2 fl
 calls, as a real forward streams its weights from HBM). Shapes are one rank of Kimi K2.6 at
 tp = 8: MLA q_a / kv_a / q_b / o_proj, the absorbed per-head matmuls (8 heads, 128 x 512 both
 ways), the shared expert, the first layer's dense MLP, the fp32 Router gate, the lm_head slice
-and the three RMSNorm widths. Variants: torch, then each Triton config set of
-`invariant_configs` (16-bit sets for bf16 weights, fp32 sets for the Router). Per (op, variant,
-M): microseconds, weight GB/s, TFLOP/s; per Triton variant: whether every timed M gave the same
-rows as M = 650 (row invariance) and the max error vs torch (the Router: vs float64).
+and the three RMSNorm widths. Variants: torch, the Triton kernels with the configurations of
+`invariant_configs` ("triton"), and the 16-bit matmuls with the prompt-chunk configuration
+("triton:prefill", inside `backend.prefill_phase()`). Per (op, variant, M): microseconds, weight
+GB/s, TFLOP/s; per Triton variant: whether every timed M gave the same rows as M = 650 (row
+invariance) and the max error vs torch (the Router: vs float64).
 
-    python3 bench/bench_dense.py --out $OUT/dense.json                     # sets a, b, c; < 90 s
-    python3 bench/bench_dense.py --configs r1 --fp32-configs ieee_r1,ieee64 --out $OUT/d2.json
+    python3 bench/bench_dense.py --out $OUT/dense.json                     # < 90 s
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Callable
 
 import torch
 from _util import capture_graph, environment, write_json
 
-from ddserve.kernels import invariant_configs
+from ddserve.kernels import backend, invariant_configs
 from ddserve.kernels.invariant_ref import (
     bmm_heads_ref,
     fixed_order_sum,
@@ -139,8 +140,6 @@ def run_variant(name, kind, n, k, x, args, fn, ref_full, deadline) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="a,b,c", help="16-bit sets: r1,a,b,c")
-    ap.add_argument("--fp32-configs", default="ieee,ieee64,tf32x3", help="ieee_r1,ieee,...")
     ap.add_argument("--ops", default="", help="comma-separated substrings of op names")
     ap.add_argument("--budget", type=float, default=85.0, help="seconds; later work is skipped")
     ap.add_argument("--m", default="", help="comma-separated row counts (default: the K2.6 list)")
@@ -150,44 +149,36 @@ def main() -> None:
         M_LIST[:] = [int(m) for m in a.m.split(",")]
     t0 = time.time()
     deadline = t0 + a.budget
-    dense_sets, fp32_sets = a.configs.split(","), a.fp32_configs.split(",")
-    for s in dense_sets:
-        invariant_configs.set_configs(dense=s)
-    for s in fp32_sets:
-        invariant_configs.set_configs(fp32=s)
     wanted = [o for o in OPS if not a.ops or any(p in o for p in a.ops.split(","))]
     g = torch.Generator(device=DEV).manual_seed(0)
     inputs = {o: make_inputs(OPS[o][0], OPS[o][1], OPS[o][2], g) for o in wanted}
     refs = {o: fns(OPS[o][0])[1](inputs[o][0], *inputs[o][1]) for o in wanted}
     out: dict = {"env": environment(), "m_list": M_LIST, "configs": {}, "ops": {}}
     # variants outermost, so a budget cut leaves whole variants comparable
-    variants = [("torch", None)] + [(f"triton:{s}", ("dense", s)) for s in dense_sets]
-    variants += [(f"triton:{s}", ("fp32", s)) for s in fp32_sets]
+    variants = [("torch", None), ("triton", "decode"), ("triton:prefill", "prefill")]
     for vname, sel in variants:
-        if sel:
-            invariant_configs.set_configs(**{sel[0]: sel[1]})
         for o in wanted:
             kind, n, k = OPS[o]
-            if sel and (kind == "router") != (sel[0] == "fp32"):
-                continue
-            if sel and not is_matmul(kind) and sel[1] != dense_sets[0]:
-                continue  # one configuration: time it once
+            if sel == "prefill" and not (is_matmul(kind) and kind != "router"):
+                continue  # the phase changes the 16-bit matmuls only
             rec = out["ops"].setdefault(o, {"kind": kind, "n": n, "k": k})
             if time.time() > deadline:
                 rec.setdefault("skipped", []).append(vname)
                 continue
             x, args = inputs[o]
             fast, ref = fns(kind)
-            if sel and is_matmul(kind):
-                w = args[0]
-                heads = H if kind.startswith("bmm") else 1
-                cfg = invariant_configs.mm_config(n, k, w.dtype, heads)
-                out["configs"].setdefault(vname, {})[o] = cfg._asdict()
-            try:
-                rec[vname] = run_variant(o, kind, n, k, x, args, fast if sel else ref, refs[o],
-                                         deadline)  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - one broken config must not stop the sweep
-                rec[vname] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            phase = backend.prefill_phase() if sel == "prefill" else contextlib.nullcontext()
+            with phase:
+                if sel and is_matmul(kind):
+                    w = args[0]
+                    heads = H if kind.startswith("bmm") else 1
+                    cfg = invariant_configs.mm_config(n, k, w.dtype, heads)
+                    out["configs"].setdefault(vname, {})[o] = cfg._asdict()
+                try:
+                    rec[vname] = run_variant(o, kind, n, k, x, args, fast if sel else ref,
+                                             refs[o], deadline)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - one broken config must not stop the sweep
+                    rec[vname] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             r = rec[vname]
             print(f"{o:28s} {vname:16s} " + (r.get("error") or " ".join(
                 f"{m}:{us:.0f}" for m, us in r["us"].items())), flush=True)  # fmt: skip

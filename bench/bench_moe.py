@@ -4,9 +4,9 @@ w13 [384, 512, 7168] and w2 [384, 7168, 256] INT4 (group 32, bf16 scales), top-8
 T = ratio * 384 / 8 tokens per step for ratio = tokens per expert. Bytes = distinct experts touched
 (measured from the routing) x one expert's packed weights and scales, + x read + output written.
 Times are CUDA-graph replays (do_bench medians, L2 flushed). With --variants every kernel variant
-(v1, v2, invariant on/off, asm dequant on/off, split-K and tile configs) is timed at every ratio
-in one run, most important variants first, within --budget seconds; `moe_ref` (the plain torch
-path) is timed at two sizes at the end.
+(v3 and v2 tile configs, asm dequant on/off, split-K) is timed at every ratio in one run, most
+important variants first, within --budget seconds; `moe_ref` (the plain torch path) is timed at
+two sizes at the end.
 
     cd bench && python3 bench_moe.py --variants --out $OUT/moe.json
 """
@@ -21,8 +21,9 @@ import torch
 from _util import copy_bandwidth_gbs, device, environment, rel_err, time_ms, write_json
 
 from ddserve.kernels import moe_triton_v2, moe_v3
+from ddserve.kernels.moe_align import align_by_expert
 from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
-from ddserve.kernels.moe_triton import _pick_bm, align_by_expert, fused_moe
+from ddserve.kernels.moe_triton import fused_moe
 
 RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T = 1)
 # (name, config, invariant), in priority order (a run out of budget drops the last ones)
@@ -35,31 +36,12 @@ VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwis
     ("v3-bm32", {**V3, "BM": 32}, True),
     ("v3-nt1", {**V3, "NT": 1}, True),
     ("v3-nt4", {**V3, "NT": 4}, True),
-    ("v3-split8", {**V3, "SPLIT": 8}, True),  # round-1 default (different sums)
+    ("v3-split8", {**V3, "SPLIT": 8}, True),  # different sums from the default
     ("v3-split2", {**V3, "SPLIT": 2}, True),
     ("v3-nrep1-bm32", {**V3, "NREP": 1, "BM": 32}, True),
-    ("v2-inv", V2, True),  # the default (TMA)
-    ("v2-inv-ptr", {**V2, "TMA": False}, True),  # round-2 default: pointer loads, 1-step prefetch
-    ("v2-inv-tma2", {**V2, "TMA2": True}, True),  # + TMA down kernel, 4 column tiles / program
-    ("v2-inv-tma-s4", {**V2, "S1": 4}, True),  # 4 K steps in flight (45 KB shared)
-    ("v2-inv-tma2-nt2-s3", {**V2, "TMA2": True, "NT2": 2, "S2": 3}, True),
-    ("v2-inv-tma2-nt8-s3", {**V2, "TMA2": True, "NT2": 8, "S2": 3}, True),
-    ("v2-inv-tma-s6", {**V2, "S1": 6}, True),  # 6 K steps (70 KB shared)
-    ("v2-inv-tma-bn32-w4-s4", {**V2, "BN1": 32, "W1": 4, "S1": 4}, True),  # 4 programs / SM
-    ("v2-inv-tma-split8", {**V2, "SPLIT": 8}, True),
-    ("v2-inv-ptr-bn32-w4-maxreg128", {**V2, "TMA": False, "BN1": 32, "W1": 4}, True),
-    ("v2", V2, False),
-    ("v1", {"variant": "v1"}, False),
-    ("v2-tuned", {**V2, "TUNED": True}, False),  # round-1 non-invariant default (atomics)
-    # below: round-2 variants; since round 3 the config keys not named take the TMA default
-    ("v2-inv-svec-bn32-w4", {**V2, "SVEC": True, "BN1": 32, "W1": 4}, True),
-    ("v2-inv-svec-kw32", {**V2, "SVEC": True, "KW1": 32}, True),
-    ("v2-inv-gemv", {**V2, "GEMV": True}, True),  # CUDA-core up-projection (no tl.dot)
-    ("v2-inv-gemv-split8", {**V2, "GEMV": True, "SPLIT": 8}, True),
-    ("v2-inv-gemv-bn32-kw32-w4", {**V2, "GEMV": True, "BN1": 32, "KW1": 32, "W1": 4}, True),
+    ("v2-inv", V2, True),  # v2's fixed config (dense experts, non-bf16 scales, v3's fallback)
     ("v2-inv-noasm", {**V2, "ASM": False}, True),
-    ("v2-inv-noprefetch", {**V2, "PREFETCH": False}, True),
-    ("v2-inv-bn32-w4", {**V2, "BN1": 32, "W1": 4}, True),  # round-1 invariant default
+    ("v2-inv-bn32-w4", {**V2, "BN1": 32, "W1": 4}, True),
     ("v2-inv-split2", {**V2, "SPLIT": 2}, True),
     ("v2-inv-split8", {**V2, "SPLIT": 8}, True),
     ("v2-inv-kw32", {**V2, "KW1": 32}, True),
@@ -68,29 +50,6 @@ VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwis
     ("v2-inv-bn128-w8", {**V2, "BN1": 128, "W1": 8}, True),
     ("v2-inv-s4", {**V2, "S1": 4, "S2": 3}, True),
     ("v2-inv-w2-8", {**V2, "BN2": 128, "KW2": 32, "W2": 8}, True),
-]
-ABLATE_RATIOS = [8 / 384, 1, 4]  # T = 1, 48, 192
-# (name, config): leave one stage out of the default invariant path (results are wrong on purpose)
-# Since round 3 the default up kernel is the TMA one. Mind: with no tl.dot in the loop (LOAD_ONLY)
-# Triton does not pipeline the TMA loads (sm_90 PTX: 1 stage, 4 KB shared), so load_only (TMA)
-# is a synchronous-TMA floor, not the loads of the real kernel; load_only-ptr is round 2's.
-ABLATIONS = [
-    ("full", {}),
-    ("load_only", {"ABLATE": "load_only"}),
-    ("full-ptr", {"TMA": False}),  # round-2 default: pointer loads
-    ("load_only-ptr", {"ABLATE": "load_only", "TMA": False}),
-    ("load_only-tma-s6", {"ABLATE": "load_only", "S1": 6}),
-    ("no_mma", {"ABLATE": "no_mma"}),
-    ("fake_dequant", {"ABLATE": "fake_dequant"}),
-    ("load_only-kw32", {"ABLATE": "load_only", "KW1": 32}),
-    ("load_only-bn32-kw64", {"ABLATE": "load_only", "BN1": 32, "KW1": 64}),
-    ("load_only-split8", {"ABLATE": "load_only", "SPLIT": 8}),
-    ("full-kw32", {"KW1": 32}),
-    ("full-svec", {"SVEC": True}),
-    ("load_only-svec", {"ABLATE": "load_only", "SVEC": True}),
-    ("full-svec-maxreg128", {"SVEC": True, "MAXREG": 128}),
-    ("full-svec-bn32-w4", {"SVEC": True, "BN1": 32, "W1": 4}),
-    ("full-bn32-kw64-w8", {"BN1": 32, "KW1": 64, "W1": 8}),
 ]
 
 
@@ -135,7 +94,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
     ap.add_argument("--variants", action="store_true", help="time every variant, not just default")
-    ap.add_argument("--ablate", action="store_true", help="leave-one-stage-out runs at T=1,48,192")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     ap.add_argument("--budget", type=float, default=115.0, help="seconds for the kernel sweep")
     ap.add_argument("--breakdown", action="store_true", help="kernel times of the first variant")
@@ -153,15 +111,14 @@ def main() -> None:
                variants=[dict(name=n, config=c, invariant=v) for n, c, v in VARIANTS])  # fmt: skip
     print(f"copy bandwidth {bw:.0f} GB/s; one expert {expert_bytes / 1e6:.3f} MB")
     rows = []
-    ratios = ABLATE_RATIOS if args.ablate else RATIOS
-    for ratio in ratios[1:3] if args.smoke else ratios:
+    for ratio in RATIOS[1:3] if args.smoke else RATIOS:
         t = max(1, round(ratio * e / k))
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
         ids = torch.rand(t, e, device=dev).topk(k, dim=1).indices
         tw = torch.rand(t, k, device=dev)
         distinct = int(torch.unique(ids).numel())
         nbytes = distinct * expert_bytes + 2 * t * h * 2
-        bm = _pick_bm(t * k, e)
+        bm = moe_v3.pick_bm(t * k, e)
         row = dict(
             tokens_per_expert=ratio,
             T=t,
@@ -174,11 +131,7 @@ def main() -> None:
         row["results"] = {}
         rows.append((row, x, ids, tw, moe_ref(x, ids, tw, w)))
         res["rows"].append(row)
-    if args.ablate:
-        todo = [(n, {**V2, **c}, True) for n, c in ABLATIONS]
-        res["variants"] = [dict(name=n, config=c, invariant=v) for n, c, v in todo]
-    else:
-        todo = VARIANTS if args.variants else [v for v in VARIANTS if v[0] in ("v3", "v2-inv")]
+    todo = VARIANTS if args.variants else [v for v in VARIANTS if v[0] in ("v3", "v2-inv")]
     for name, cfg, inv in todo:
         for row, x, ids, tw, ref in rows:
             if time.perf_counter() - start > args.budget:
@@ -195,9 +148,7 @@ def main() -> None:
                 v3 = cfg.get("variant") == "v3"
                 launches = moe_v3.LAST_LAUNCH if v3 else moe_triton_v2.LAST_LAUNCH
                 r["launch"] = {n: dict(v) for n, v in launches.items()}
-                if (args.ablate and name in ("full", "load_only")) or (
-                    args.breakdown and name == todo[0][0]
-                ):
+                if args.breakdown and name == todo[0][0]:
                     r["kernels_us"] = kernel_breakdown(call)
                     print(f"  kernels (us): {r['kernels_us']}")
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
@@ -210,7 +161,7 @@ def main() -> None:
             print(f"{name:16s} T={row['T']:4d} experts={row['distinct_experts']:3d} {msg}")
             if "launch" in r:
                 print(f"  launch: {r['launch']}")
-    for row, *_ in [] if args.ablate else rows:
+    for row, *_ in rows:
         done = {n: r for n, r in row["results"].items() if "us" in r}
         if done:
             best = min(done, key=lambda n: done[n]["us"])
@@ -219,7 +170,7 @@ def main() -> None:
             if inv_done:
                 bi = min(inv_done, key=lambda n: inv_done[n]["us"])
                 row["best_invariant"], row["best_invariant_us"] = bi, inv_done[bi]["us"]
-    if not (args.no_torch or args.ablate):
+    if not args.no_torch:
         for row, x, ids, tw, _ in rows[:2]:
             if time.perf_counter() - start > args.budget + 10:
                 break
@@ -228,7 +179,6 @@ def main() -> None:
             )
             print(f"torch reference T={row['T']}: {row['torch_ms']:.2f} ms")
     res["asm_error"] = moe_triton_v2.ASM_ERROR  # None unless the asm dequant failed to compile
-    res["tma_error"] = moe_triton_v2.TMA_ERROR  # None unless the TMA up kernel failed
     res["seconds"] = time.perf_counter() - start
     write_json(args.out, res)
 

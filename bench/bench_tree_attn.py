@@ -14,9 +14,7 @@ FLOPs = 2 x (576 + 512) per (query row, head, key). Both ceilings are measured i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,13 +33,8 @@ from _tree_inputs import random_meta  # noqa: E402
 
 from ddserve.kernels.tree_attn import TreeAttnMeta, tree_mla_attention_ref  # noqa: E402
 from ddserve.kernels.tree_attn_invariant import (  # noqa: E402
-    DEFAULT_PRESET,
-    PRESETS,
+    INVARIANT_CONFIG,
     _tree_attn_inv_kernel,
-)
-from ddserve.kernels.tree_attn_invariant_tail import (  # noqa: E402
-    _inv_shared_kernel,
-    _inv_tail_kernel,
 )
 from ddserve.kernels.tree_attn_triton import tree_mla_attention  # noqa: E402
 
@@ -76,13 +69,6 @@ def kernel_resources(fn, seen: set) -> list[dict]:
     return rows
 
 
-def _preset_resources(name: str, seen: set) -> list[dict]:
-    """The binaries a preset ran: TAIL=1 presets launch a shared-tile and a tail kernel."""
-    if PRESETS[name].get("TAIL"):
-        return kernel_resources(_inv_shared_kernel, seen) + kernel_resources(_inv_tail_kernel, seen)
-    return kernel_resources(_tree_attn_inv_kernel, seen)
-
-
 def case_inputs(nb: int, budget: int, pl: int, h: int, r: int, p: int, dev):
     """One case: nb streams with prefix pl and a random tree of budget + 1 rows (1 row: decode).
     Returns (rows per stream, rows, metadata, q_latent, q_rope, latent pool)."""
@@ -94,47 +80,6 @@ def case_inputs(nb: int, budget: int, pl: int, h: int, r: int, p: int, dev):
     q_pe = torch.randn(t, h, p, device=dev).to(torch.bfloat16)
     kv = torch.randn(slots, r + p, device=dev).to(torch.bfloat16)
     return ql, t, meta, q_lat, q_pe, kv
-
-
-def preset_sweep(nb, budget, pl, h, r, p, dev, rep: int, resources: dict, seen: set) -> dict:
-    """Default mode and every invariant preset on one case: ms each (graph replay)."""
-    ql, t, meta, q_lat, q_pe, kv = case_inputs(nb, budget, pl, h, r, p, dev)
-
-    def call(config=None, invariant=False):
-        return tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, config=config, invariant=invariant)
-
-    row = dict(streams=nb, budget=budget, q_len=ql, prefix=pl, ms=time_ms(call, rep=rep))
-    base = call(invariant=True, config=DEFAULT_PRESET)
-    resources.setdefault(DEFAULT_PRESET, _preset_resources(DEFAULT_PRESET, seen))
-    for name in PRESETS:
-        try:
-            out = call(name, True)
-            resources.setdefault(name, _preset_resources(name, seen))
-            row[f"{name}_ms"] = time_ms(lambda n=name: call(n, True), rep=rep)
-            row[f"{name}_over_default"] = row[f"{name}_ms"] / row["ms"]
-            row[f"{name}_max_diff_vs_{DEFAULT_PRESET}"] = (out - base).abs().max().item()
-        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory; go on
-            row[f"{name}_error"] = f"{exc!r}"[:200]
-    return row
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Per preset: geometric mean and max of its time over the default mode's, over all cases,
-    and the geometric mean per group (decode; trees by prefix length): where a preset loses."""
-    out = {}
-    groups = {"decode": lambda x: x["budget"] == 0}
-    for pl in sorted({x["prefix"] for x in rows}):
-        groups[f"tree_{pl}"] = lambda x, pl=pl: x["budget"] > 0 and x["prefix"] == pl
-    for name in PRESETS:
-        ratios = [x[f"{name}_over_default"] for x in rows if f"{name}_over_default" in x]
-        if ratios:
-            geo = float(torch.tensor(ratios).log().mean().exp())
-            out[name] = dict(geomean=geo, max=max(ratios), cases=len(ratios))
-            for g, sel in groups.items():
-                rg = [x[f"{name}_over_default"] for x in rows if sel(x) and f"{name}_ms" in x]
-                if rg:
-                    out[name][g] = float(torch.tensor(rg).log().mean().exp())
-    return dict(sorted(out.items(), key=lambda kv: kv[1]["geomean"]))
 
 
 def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:
@@ -218,8 +163,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--presets", action="store_true", help="time every invariant preset instead")
-    ap.add_argument("--budget-s", type=float, default=100.0, help="--presets: stop after this")
     ap.add_argument("--prefixes", default="1024,8192,32768", help="comma-separated prefix lengths")
     args = ap.parse_args()
     dev = device()
@@ -230,11 +173,9 @@ def main() -> None:
     cases = [(b, q, pl) for b in streams for q in budgets for pl in prefixes]
     decode = [pl for pl in (1024, 8192, 32768) if pl in prefixes]
     cases += [] if args.smoke else [(b, 0, pl) for b in (1, 10) for pl in decode]  # decode
-    if args.presets:
-        return run_presets(cases, h, r, p, dev, args)
     bw, peak = copy_bandwidth_gbs(), matmul_tflops()
     res = dict(env=environment(), copy_gbs=bw, bf16_tflops=peak, heads=h, latent=r, rope=p, rows=[])
-    res["invariant_preset"] = DEFAULT_PRESET
+    res["invariant_config"] = INVARIANT_CONFIG
     print(f"copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
     for nb, budget, pl in cases:
         row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev)
@@ -249,29 +190,6 @@ def main() -> None:
               f"sdpa {row.get('sdpa_err_vs_ref32', -1):.1e} (kernel vs sdpa "
               f"{row.get('err_vs_sdpa', -1):.1e})", flush=True)  # fmt: skip
     res["inv_resources"] = kernel_resources(_tree_attn_inv_kernel, set())
-    write_json(args.out, res)
-
-
-def run_presets(cases, h, r, p, dev, args) -> None:
-    """Every preset on every case (decode first: the small cases are the fixed-cost question),
-    within --budget-s; JSON rows, per-preset summary and each binary's registers / spills."""
-    t0, seen = time.perf_counter(), set()
-    res = dict(env=environment(), heads=h, latent=r, rope=p, presets=PRESETS, rows=[])
-    res["default_preset"], res["resources"] = DEFAULT_PRESET, {}
-    order = sorted(cases, key=lambda c: (c[1] != 0, c[2], c[0], c[1]))
-    for nb, budget, pl in order:
-        if time.perf_counter() - t0 > args.budget_s:
-            res["stopped_early"] = f"budget {args.budget_s} s reached"
-            break
-        row = preset_sweep(nb, budget, pl, h, r, p, dev, 20, res["resources"], seen)
-        res["rows"].append(row)
-        best = min(PRESETS, key=lambda n: row.get(f"{n}_ms", float("inf")))
-        print(f"B={nb:2d} budget={budget:2d} prefix={pl:5d}: default {row['ms'] * 1e3:7.1f} us | "
-              + " ".join(f"{n} {row.get(f'{n}_over_default', float('nan')):.2f}" for n in PRESETS)
-              + f" | best {best}", flush=True)  # fmt: skip
-    res["summary"] = summarize(res["rows"])
-    print(json.dumps(res["summary"], indent=1))
-    print(json.dumps(res["resources"]))
     write_json(args.out, res)
 
 

@@ -1,10 +1,9 @@
-"""Kernel environment variables are checked at import, and the MoE fast-path fallback rules.
+"""Kernel selection reads no environment at import, and the MoE's v3 -> v2 fallback rules.
 
-Each check runs in a subprocess (the variables are read when the modules are first imported, and
-importing Triton kernel modules here could fix TRITON_INTERPRET for other tests of this process).
-An unknown DDSERVE_TREE_ATTN_INVARIANT / DDSERVE_INVARIANT_CONFIGS / DDSERVE_INVARIANT_FP32 must
-log a warning naming the valid choices and use the default (m32, "a", "tf32x3"); a valid one must
-be honoured. The selection is compared with the preset / set functions called directly.
+The import check runs in a subprocess (a fresh interpreter, so every kernel module really is
+imported there) that records every environment lookup made by ddserve's own code while importing
+all of `ddserve.kernels`. The fallback checks replace the two MoE variants with stubs: no kernel
+runs.
 """
 
 from __future__ import annotations
@@ -15,96 +14,110 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from tests.triton_interp import require_triton
 
 require_triton()  # the child imports the Triton kernel modules
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
-import json
+import importlib, json, os, pkgutil, sys
 
-import torch
-
-import ddserve.kernels.invariant_configs as ic
-import ddserve.kernels.tree_attn_invariant as ta
-import ddserve.kernels.moe_triton_v2 as v2
-
-rec = dict(
-    preset=ta.DEFAULT_PRESET,
-    config_is_preset=ta.INVARIANT_CONFIG == ta.PRESETS[ta.DEFAULT_PRESET],
-    current=ic.current_configs(),
-    # what a forward asks for (the KeyError used to surface here), and every set's answer
-    dense=list(ic.mm_config(4096, 1024, torch.bfloat16)),
-    fp32=list(ic.mm_config(256, 7168, torch.float32)),
-    dense_sets={k: list(f(4096, 1024, 1)) for k, f in ic.DENSE_SETS.items()},
-    fp32_sets={k: list(f(256, 7168, 1)) for k, f in ic.FP32_SETS.items()},
-    presets=sorted(ta.PRESETS),
-    oom_falls_back=v2._may_fall_back(torch.cuda.OutOfMemoryError("out of memory")),
-    compile_falls_back=v2._may_fall_back(RuntimeError("PassManager::run failed")),
-)
+seen = []
+_getitem = type(os.environ).__getitem__
 
 
-def _oom(*args, **kwargs):
-    raise torch.cuda.OutOfMemoryError("out of memory")
+def _recording_getitem(self, key):
+    frame = sys._getframe(1)
+    while frame.f_code.co_filename.endswith(("os.py", "os>", "_collections_abc.py", "abc>")):
+        frame = frame.f_back  # os.environ.get / `in` -> the code that asked
+    if "/ddserve/" in frame.f_code.co_filename:
+        seen.append(f"{key} ({frame.f_code.co_filename.rsplit('/', 1)[-1]})")
+    return _getitem(self, key)
 
 
-v2.up_tma = _oom  # the TMA up kernel hits an OOM: raised, TMA stays enabled
-try:
-    v2._up_tma_or_fallback((), {}, True, {"MODE": 0})
-    rec["oom_raised"] = False
-except torch.cuda.OutOfMemoryError:
-    rec["oom_raised"] = True
-rec["tma_error"] = v2.TMA_ERROR
-print("RESULT " + json.dumps(rec))
+type(os.environ).__getitem__ = _recording_getitem  # get() and `in` go through __getitem__
+import ddserve.kernels as pkg
+
+names = [m.name for m in pkgutil.iter_modules(pkg.__path__)]
+for name in names:
+    importlib.import_module(f"ddserve.kernels.{name}")
+print("RESULT " + json.dumps(dict(modules=names, read=seen)))
 """
 
 
-def _run(env_vars: dict[str, str]) -> tuple[dict, str]:
+def test_no_kernel_module_reads_the_environment_at_import():
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDSERVE_")}
     env.pop("TRITON_INTERPRET", None)
-    env.update(env_vars, PYTHONPATH=str(ROOT))
+    env.update(PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD], env=env, cwd=ROOT, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :]), proc.stderr
-
-
-def test_unknown_values_warn_and_fall_back_to_defaults():
-    rec, err = _run(
-        {
-            "DDSERVE_TREE_ATTN_INVARIANT": "m99",
-            "DDSERVE_INVARIANT_CONFIGS": "zz",
-            "DDSERVE_INVARIANT_FP32": "fp64",
-        }
+    rec = json.loads(line[len("RESULT ") :])
+    assert {"backend", "moe_triton", "tree_attn_invariant", "invariant_configs"} <= set(
+        rec["modules"]
     )
-    assert rec["preset"] == "m32" and rec["config_is_preset"]
-    assert rec["current"] == {"dense": "a", "fp32": "tf32x3"}
-    assert rec["dense"] == rec["dense_sets"]["a"] and rec["fp32"] == rec["fp32_sets"]["tf32x3"]
-    for var, bad, choices in (
-        ("DDSERVE_TREE_ATTN_INVARIANT", "m99", rec["presets"]),
-        ("DDSERVE_INVARIANT_CONFIGS", "zz", rec["dense_sets"]),
-        ("DDSERVE_INVARIANT_FP32", "fp64", rec["fp32_sets"]),
-    ):
-        lines = [ln for ln in err.splitlines() if var in ln]
-        assert len(lines) == 1 and repr(bad) in lines[0], err[-3000:]
-        assert all(c in lines[0] for c in choices), lines[0]
-    # MoE fallbacks: only for errors other than OOM (and never during graph capture)
-    assert rec["compile_falls_back"] and not rec["oom_falls_back"]
-    assert rec["oom_raised"] and rec["tma_error"] is None
+    assert rec["read"] == []
 
 
-def test_valid_values_are_used_without_warning():
-    rec, err = _run(
-        {
-            "DDSERVE_TREE_ATTN_INVARIANT": "m16",
-            "DDSERVE_INVARIANT_CONFIGS": "b",
-            "DDSERVE_INVARIANT_FP32": "ieee",
-        }
-    )
-    assert rec["preset"] == "m16" and rec["config_is_preset"]
-    assert rec["current"] == {"dense": "b", "fp32": "ieee"}
-    assert rec["dense"] == rec["dense_sets"]["b"] and rec["fp32"] == rec["fp32_sets"]["ieee"]
-    assert "DDSERVE_" not in err, err[-3000:]
+def _int4_experts():
+    from ddserve.kernels.moe_ref import ExpertWeights, quantize_int4
+
+    w13p, s13 = quantize_int4(torch.randn(2, 64, 64))
+    w2p, s2 = quantize_int4(torch.randn(2, 64, 32))
+    return ExpertWeights(w13_packed=w13p, w13_scale=s13, w2_packed=w2p, w2_scale=s2)
+
+
+@pytest.fixture
+def moe(monkeypatch):
+    """`moe_triton` with v3 chosen by default and both variants stubbed (v2 returns ones)."""
+    from ddserve.kernels import moe_triton
+
+    monkeypatch.delenv("DDSERVE_MOE_VARIANT", raising=False)
+    monkeypatch.setattr(moe_triton, "V3_ERROR", None)
+    monkeypatch.setattr(moe_triton, "default_variant", lambda x, w: "v3")
+    monkeypatch.setattr(moe_triton, "fused_moe_v2", lambda x, *a, **k: torch.ones_like(x))
+    return moe_triton
+
+
+def _call(moe_triton):
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    return moe_triton.fused_moe(x, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1),
+                                _int4_experts())  # fmt: skip
+
+
+def test_v3_compile_failure_falls_back_to_v2_and_is_recorded(moe, monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(moe, "fused_moe_v3", fails)
+    assert torch.equal(_call(moe), torch.ones(3, 64, dtype=torch.bfloat16))
+    assert moe.V3_ERROR.startswith("RuntimeError: PassManager::run failed")
+
+
+def test_v3_out_of_memory_is_raised_not_a_fallback(moe, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(moe, "fused_moe_v3", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _call(moe)
+    assert moe.V3_ERROR is None
+
+
+def test_moe_variant_override_is_read_per_call(monkeypatch):
+    from ddserve.kernels.moe_triton import default_variant
+
+    x, w = torch.zeros(1, 64), _int4_experts()
+    monkeypatch.setenv("DDSERVE_MOE_VARIANT", "v3")
+    assert default_variant(x, w) == "v3"
+    monkeypatch.setenv("DDSERVE_MOE_VARIANT", "v1")
+    with pytest.raises(ValueError, match="v1"):
+        default_variant(x, w)
+    monkeypatch.delenv("DDSERVE_MOE_VARIANT")
+    assert default_variant(x, w) == "v2"  # CPU tensors: v3 does not apply

@@ -2,7 +2,7 @@
 
 The kernel runs in a subprocess with TRITON_INTERPRET=1 (read when a kernel is decorated); the
 child prints one JSON record per routing and the tests assert on them. Every record compares
-`align_by_expert_triton` with the plain-torch `moe_triton_v1.align_by_expert`: same dtypes, shapes
+`align_by_expert_triton` with the plain-torch `moe_align.align_by_expert`: same dtypes, shapes
 and values (pair order inside an expert, padding value P = T * k, block_expert = E past the last
 used block). Routings: random top-k (T in 1, 2, 7, 48, 200; k in 1, 2, 8; E in 8, 64, 384; bm 8
 and 16, P kept at most 400), and skewed ones (every token on the same experts, most experts
@@ -69,7 +69,7 @@ def _compare(name: str, ids, e: int, bm: int, gather: bool) -> dict:
     import torch
 
     from ddserve.kernels.moe_align import align_by_expert_triton
-    from ddserve.kernels.moe_triton_v1 import align_by_expert
+    from ddserve.kernels.moe_align import align_by_expert
 
     want = align_by_expert(ids, e, bm)
     got = align_by_expert_triton(ids, e, bm, gather=gather)

@@ -65,7 +65,7 @@ def _run_checks() -> dict:
         (2, [0, 3, 15], [12, 20, 5]),
         (4, [16, 30, 47], [33, 9, 17]),
         (8, [70, 95], [25, 1]),
-        (4, [1100], [20]),  # default preset: crosses 32-key tiles and the 512-key splits
+        (4, [1100], [20]),  # default configuration: crosses 32-key tiles and the 512-key splits
     ]
     for i, (heads, pls, qls) in enumerate(cases):
         cfg = None if i == 3 else SMALL
@@ -93,30 +93,6 @@ def _run_checks() -> dict:
         bad += int((part != full[rows]).any(-1).any(-1).sum())
     res["batch_bad_rows"] = bad
 
-    # 4) the PREFETCH variants (next tile's slot ids / keys loaded ahead) give the same bits
-    outs = [
-        attn(q, qp, kv, meta, invariant=True, config={**SMALL, "PREFETCH": pf}) for pf in (1, 2)
-    ]
-    res["prefetch_bad_rows"] = sum(int((o != full).any(-1).any(-1).sum()) for o in outs)
-
-    # 5) TAIL=1 (tail tiles in a second launch): same bits as one launch (numpy matmul here),
-    # AR-consistent and batch-invariant, also with one split (raw state handed over in po)
-    tail = {**SMALL, "TAIL": 1}
-    bad = int((attn(q, qp, kv, meta, invariant=True, config=tail) != full).any(-1).any(-1).sum())
-    for blocks in ([0], [2, 1, 0]):
-        sub, rows = select_blocks(meta, blocks)
-        part = attn(q[rows], qp[rows], kv, sub, invariant=True, config=tail)
-        bad += int((part != full[rows]).any(-1).any(-1).sum())
-    for i, (heads, pls, qls) in enumerate(cases[:3]):
-        slots = sum(pls) + sum(qls) + 3
-        meta = random_meta(pls, qls, slots, seed=10 + i)
-        q, qp, kv = _inputs(meta, heads, slots, 10 + i)
-        tree = attn(q, qp, kv, meta, invariant=True, config=tail)  # case 0: one split
-        ar = attn(q, qp, kv, ar_meta(meta), invariant=True, config=tail)
-        bad += int((tree != ar).any(-1).any(-1).sum())
-        ref = tree_mla_attention_ref(q.float(), qp.float(), kv.float(), meta, SCALE)
-        res[f"tail_ref_{i}"] = ((tree.float() - ref).norm() / ref.norm()).item()
-    res["tail_bad_rows"] = bad
     return res
 
 
@@ -143,16 +119,6 @@ def test_tree_rows_equal_ar_rows_bitwise():
 
 def test_rows_do_not_depend_on_the_batch():
     assert _results()["batch_bad_rows"] == 0
-
-
-def test_prefetch_variants_bitwise_equal():
-    assert _results()["prefetch_bad_rows"] == 0
-
-
-def test_split_tail_launch_same_bits_and_accurate():
-    res = _results()
-    errs = [v for k, v in res.items() if k.startswith("tail_ref_")]
-    assert res["tail_bad_rows"] == 0 and len(errs) == 3 and max(errs) < 1e-2, res
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the 
 
 CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - linear, bmm_heads (any float dtype): `invariant._mm_kernel` (+ `_sum_splits_kernel` when the
-  configuration splits K), configurations from `invariant_configs.mm_config`: set "a" for 16-bit
-  weights, `_prefill` inside `prefill_phase()`, "tf32x3" for float32 weights (the Router's gate)
+  configuration splits K), configurations from `invariant_configs.mm_config`: `_dense` for 16-bit
+  weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (the Router's gate)
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
-  `tree_attn_invariant._tree_attn_inv_kernel` with preset "m32" (BM 32, BN 32, SPLIT 512, one
-  launch), `_combine_kernel` merging the splits when there is more than one
+  `tree_attn_invariant._tree_attn_inv_kernel` with its one configuration (BM 32, BN 32, SPLIT
+  512), `_combine_kernel` merging the splits when there is more than one
 - routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
   kernel `moe_gluon`, experts repacked in place by `moe_w4_repack`, expert alignment
   `moe_align.align_by_expert_triton` up to 2048 pairs and its torch version past that, fixed-order
@@ -106,21 +106,19 @@ def tree_attention(device_type: str) -> Callable:
 
 @functools.cache
 def moe(device_type: str) -> Callable:
-    """`ddserve.kernels.moe_ref.moe_ref`'s signature: sgl-kernel Marlin, then Triton, then torch."""
+    """`ddserve.kernels.moe_ref.moe_ref`'s signature; Triton / Gluon on CUDA when it imports, else
+    the reference."""
     from ddserve.kernels.moe_ref import moe_ref
 
     impl, name = moe_ref, "torch reference"
     if device_type == "cuda":
-        for module, fn, label in (
-            ("ddserve.kernels.moe_marlin", "fused_moe_marlin", "sgl-kernel marlin"),
-            ("ddserve.kernels.moe_triton", "fused_moe", "triton"),
-        ):
-            try:
-                impl = _half_only(getattr(__import__(module, fromlist=[fn]), fn), moe_ref)
-                name = f"{label} (bf16/fp16; float32 uses the reference)"
-                break
-            except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the machine
-                log.info("moe backend %s unavailable: %s", label, e)
+        try:
+            from ddserve.kernels.moe_triton import fused_moe
+
+            impl = _half_only(fused_moe, moe_ref)
+            name = "triton (bf16/fp16; float32 uses the reference)"
+        except ImportError as e:  # pragma: no cover - depends on the machine
+            log.warning("triton moe unavailable (%s); using the torch reference", e)
     log.info("moe backend on %s: %s", device_type, name)
     return impl
 
@@ -154,8 +152,8 @@ def device_type(t: torch.Tensor | torch.device) -> str:
 # ---- batch-invariant dense ops (Triton in invariant.py, torch in invariant_ref.py) -------------
 # Chosen per call: the mode can change between engines, and a model also runs on the CPU.
 # float32: the Router's gate, and every dense op of a float32 model on CUDA in batch-invariant
-# mode; computed per `invariant_configs` ("tf32x3" by default: three tensor-core products, about
-# fp32 accuracy, row-invariant, not bitwise torch's fp32)
+# mode; computed per `invariant_configs` ("tf32x3": three tensor-core products, about fp32
+# accuracy, row-invariant, not bitwise torch's fp32)
 INVARIANT_DTYPES = (*HALF, torch.float32)
 
 

@@ -10,12 +10,13 @@ that decides the arithmetic of a row independently of M:
   output element is one fp32 accumulator per K split walking its K range in tiles in order
   (narrow weights split K into a fixed number of ranges; their fp32 partials are summed in split
   order by a second kernel); output rounded once to x.dtype. fp32 inputs (the Router) use
-  input_precision "ieee" (real fp32 FMA, not tf32) or "tf32x3", fixed by the configuration. M is
-  `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M; strides
-  and pointers are specialised (16-byte alignment lets triton vectorise the loads and pipeline
-  them through shared memory with cp.async; without it x was loaded 2 bytes at a time), and
-  `_launch` makes them the same for every M of one call site: contiguous strides for a size-1
-  leading dim, a copy of an x whose base is not 16-byte aligned, a 16-aligned partials stride.
+  input_precision "tf32x3" (three tf32 MMAs, about fp32 accuracy), fixed by the configuration.
+  M is `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M;
+  strides and pointers are specialised (16-byte alignment lets triton vectorise the loads and
+  pipeline them through shared memory with cp.async; without it x is loaded 2 bytes at a time),
+  and `_launch` makes them the same for every M of one call site: contiguous strides for a
+  size-1 leading dim, a copy of an x whose base is not 16-byte aligned, a 16-aligned partials
+  stride.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
 References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
@@ -29,12 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.kernels.invariant_configs import (  # noqa: F401 (re-exported)
-    MMConfig,
-    current_configs,
-    mm_config,
-    set_configs,
-)
+from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
 
 
 def _interpreting() -> bool:
@@ -66,7 +62,7 @@ def _mm_kernel(
         k_ok = kk < K
         a = tl.load(x_rows + kk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + kk[:, None] * swk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP32:  # "ieee" (fp32 FMA) or "tf32x3" (3 tf32 MMAs, ~fp32): fixed per weight
+        if FP32:  # the configuration's precision ("tf32x3": 3 tf32 MMAs, ~fp32), fixed per weight
             acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BM, BN]
         elif INTERPRET:  # the CPU interpreter's bf16 dot is wrong; bf16 products are exact in fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")

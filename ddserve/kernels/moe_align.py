@@ -1,8 +1,9 @@
-"""Expert alignment for the grouped MoE GEMM in one Triton launch (no host sync, graph capturable).
+"""Expert alignment for the grouped MoE GEMM: `align_by_expert` (torch ops) and its one-launch
+Triton version `align_by_expert_triton` (both without host sync, graph capturable).
 
-Same contract and outputs as `moe_triton_v1.align_by_expert` (the plain-torch reference): the
-(token, slot) pairs p = t * k + j are grouped by expert, in ascending pair order inside an expert,
-into blocks of `bm` rows; every used expert starts a new block.
+Both give the same outputs: the (token, slot) pairs p = t * k + j are grouped by expert, in
+ascending pair order inside an expert, into blocks of `bm` rows; every used expert starts a new
+block.
 
 One program does it all:
 1. key = expert * P2 + pair (P2 = next power of two >= P, padding lanes get expert = E), sorted
@@ -14,6 +15,7 @@ One program does it all:
    through the output buffer (the fallback, used from then on if the gather fails to compile).
 3. sorted_pairs is pre-filled with P and block_expert with E, then (after a barrier) the pairs are
    scattered to their rows and each block's first row writes its expert.
+The MoE kernels call the Triton version up to FAST_PAIRS pairs and the torch version past that.
 """
 
 from __future__ import annotations
@@ -81,8 +83,36 @@ def _align_kernel(ids_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_bloc
     tl.store(bexp_ptr + row // BM, se.to(tl.int64), mask=valid & (row % BM == 0))
 
 
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, bm: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, slot) pairs by expert into blocks of `bm`, on the device, no host sync.
+
+    Returns sorted_pairs [NB * bm] (pair index t * k + j, or P = T * k for padding) and
+    block_expert [NB] (the expert of each block, or num_experts past the last used block).
+    NB is a host-side upper bound: every non-empty expert wastes at most bm - 1 slots.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
+    p = flat.numel()
+    dev = flat.device
+    nb = num_blocks(p, num_experts, bm)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    blocks = (counts + bm - 1) // bm  # [E]
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    pair_start = torch.cumsum(counts, 0) - counts  # [E]
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
+    sorted_e = flat[order]
+    rank = torch.arange(p, device=dev) - pair_start[sorted_e]  # position within its expert
+    dest = (block_end - blocks)[sorted_e] * bm + rank
+    sorted_pairs = torch.full((nb * bm,), p, dtype=torch.int64, device=dev)
+    sorted_pairs[dest] = order
+    block_expert = torch.searchsorted(block_end, torch.arange(nb, device=dev), right=True)
+    return sorted_pairs, block_expert
+
+
 def num_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
-    """Host-side bound on the blocks (same as the torch version): each used expert wastes < bm."""
+    """Host-side bound on the blocks: each used expert wastes fewer than bm rows."""
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (bm - 1), bm)
 
 

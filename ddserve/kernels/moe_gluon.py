@@ -1,7 +1,7 @@
 """Variant "v3" of the W4A16 grouped MoE matmul: a Gluon kernel (explicit layouts) that feeds the
 dequantized INT4 weights to the tensor cores straight from registers.
 
-Why: in the Triton kernels (v1, v2) the dequantized weight tile is converted to the MMA operand
+Why: in the Triton kernel (v2) the dequantized weight tile is converted to the MMA operand
 layout through shared memory (a store and an ldmatrix of 2 bytes per weight for 0.5 byte read from
 HBM), and each thread loads short pieces of many rows. Here every thread loads one contiguous run
 of words (`moe_w4_repack`: a one-time repack at load) whose nibbles are exactly the MMA operand

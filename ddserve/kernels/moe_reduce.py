@@ -1,6 +1,6 @@
-"""The MoE's fixed-order reductions (`moe_triton_v2`): what makes a token's output independent of
-the rest of the batch is that every sum over partial results runs in an order fixed by the
-layer's shapes, never by scheduling (no atomics).
+"""The MoE's fixed-order reductions (`moe_triton_v2`, `moe_v3`): what makes a token's output
+independent of the rest of the batch is that every sum over partial results runs in an order
+fixed by the layer's shapes, never by scheduling (no atomics).
 
 - `_silu_kernel`: the up-projection's split-K partials [SPLIT, rows, 2 I] fp32 summed in split
   order, then silu(gate) * up, written as the down-projection's bf16 input h [rows, I].

@@ -1,14 +1,13 @@
-"""W4A16 grouped MoE in Triton: the entry point `fused_moe` and its variants.
+"""W4A16 grouped MoE in Triton / Gluon: the entry point `fused_moe` and its two variants.
 
-Variants (pick with config={"variant": ...} or DDSERVE_MOE_VARIANT; the other config keys go to the
-variant). Default: "v3" for INT4 weights with bf16 scales on CUDA, "v2" otherwise (and "v2" from
-then on if v3 fails to compile: V3_ERROR says why).
-- "v2" (`moe_triton_v2`): split-K up-projection, bf16x2 asm dequant on CUDA, and a
-  batch-invariant mode (fixed tiles, fixed-order sums, no atomics) when `invariant=True`.
-- "v1" (`moe_triton_v1`): the first kernel, kept for comparison; not batch invariant, so
-  `invariant=True` never runs it unless the config names it explicitly.
-- "v3" (`moe_v3`, Gluon, CUDA and INT4 only): dequantized weights fed to mma.sync from registers,
-  weights repacked once into the kernel's stream; always batch invariant.
+- "v3" (`moe_v3`, Gluon, CUDA and INT4 with bf16 scales only): dequantized weights fed to
+  mma.sync from registers, weights repacked once into the kernel's stream. The default where it
+  applies.
+- "v2" (`moe_triton_v2`): split-K up-projection on the layout as shipped, bf16x2 asm dequant on
+  CUDA; dense experts, other scale dtypes, the Triton interpreter, and the fallback when v3 fails
+  on its first call (compile or launch: V3_ERROR says why, and v2 runs from then on).
+Both are batch invariant (fixed tiles, fixed-order sums, no atomics). DDSERVE_MOE_VARIANT (or
+config={"variant": ...}) names a variant explicitly, with no fallback.
 """
 
 from __future__ import annotations
@@ -18,16 +17,16 @@ import os
 
 import torch
 
+from ddserve.kernels.moe_common import may_fall_back
 from ddserve.kernels.moe_ref import ExpertWeights
-from ddserve.kernels.moe_triton_v1 import _pick_bm, align_by_expert, fused_moe_v1
-from ddserve.kernels.moe_triton_v2 import _may_fall_back, fused_moe_v2
+from ddserve.kernels.moe_triton_v2 import fused_moe_v2
 from ddserve.kernels.moe_v3 import fused_moe_v3
 from ddserve.kernels.moe_w4_repack import in_place_started
 
-__all__ = ["VARIANTS", "_pick_bm", "align_by_expert", "default_variant", "fused_moe"]
+__all__ = ["VARIANTS", "default_variant", "fused_moe"]
 
 log = logging.getLogger(__name__)
-VARIANTS = {"v1": fused_moe_v1, "v2": fused_moe_v2, "v3": fused_moe_v3}
+VARIANTS = {"v2": fused_moe_v2, "v3": fused_moe_v3}
 V3_ERROR: str | None = None  # set when v3 failed to compile or launch (then v2 from then on)
 
 
@@ -61,12 +60,12 @@ def fused_moe(
     weights: ExpertWeights,
     *,
     config: dict | None = None,
-    invariant: bool = False,
+    invariant: bool = True,
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """`moe_ref`'s contract on CUDA (or the Triton interpreter); no host sync and graph capturable
     from the second call on (v3's first call per weights makes their stream and syncs).
-
-    `invariant`: token t's output row is bitwise the same whatever else is in the call."""
+    Token t's output row is bitwise the same whatever else is in the call (both variants, so
+    `invariant` changes nothing)."""
     global V3_ERROR
     cfg = dict(config or {})
     variant = cfg.pop("variant", None)
@@ -80,13 +79,12 @@ def fused_moe(
             "the first forward to keep the original layout."
         )
     if explicit or variant != "v3" or in_place:
-        fn = VARIANTS[variant]
-        return fn(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
+        return VARIANTS[variant](x, topk_ids, topk_weights, weights, config=cfg)
     try:
-        return fused_moe_v3(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
+        return fused_moe_v3(x, topk_ids, topk_weights, weights, config=cfg)
     except Exception as exc:  # noqa: BLE001 - e.g. Gluon unsupported by this GPU / triton build
-        if not _may_fall_back(exc) or in_place_started(weights.w13_packed):
+        if not may_fall_back(exc) or in_place_started(weights.w13_packed):
             raise  # (v2 cannot read experts that the failed call already rewrote in place)
         V3_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
         log.warning("MoE v3 failed, using v2 from now on: %s", V3_ERROR)
-        return fused_moe_v2(x, topk_ids, topk_weights, weights, config=cfg, invariant=invariant)
+        return fused_moe_v2(x, topk_ids, topk_weights, weights, config=cfg)

@@ -18,11 +18,10 @@ import logging
 import torch
 import triton
 
-from ddserve.kernels.moe_align import FAST_PAIRS, align_by_expert_triton
+from ddserve.kernels.moe_align import FAST_PAIRS, align_by_expert, align_by_expert_triton
+from ddserve.kernels.moe_common import num_sms
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
-from ddserve.kernels.moe_triton_v1 import align_by_expert
-from ddserve.kernels.moe_triton_v2 import _num_sms
 from ddserve.kernels.moe_w4_repack import (
     Repacked,
     as_stream,
@@ -227,7 +226,7 @@ def fused_moe_v3(
     )  # fmt: skip
     y = torch.empty(p, hidden, dtype=torch.float32, device=dev)  # [P, H] weighted, per pair
     if cfg["NT"] == "auto":
-        nt = pick_nt(w2.n_tiles, nb, _num_sms(dev))
+        nt = pick_nt(w2.n_tiles, nb, num_sms(dev))
     else:
         nt = _largest_divisor(w2.n_tiles, cfg["NT"])
     _gemm(h, w2, y, sorted_pairs, block_expert, tw, p, nb, cfg, split=1, nt=nt, gather=False,

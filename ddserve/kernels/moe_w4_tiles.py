@@ -1,11 +1,15 @@
-"""Weight tiles for the W4A16 MoE kernels (`moe_triton_v2`): INT4 words -> bf16 tiles, two ways.
+"""Weight tiles for the W4A16 MoE kernel v2 (`moe_triton_v2`): INT4 words -> bf16 tiles, two ways.
 
-Pure Triton (`moe_triton_v1._unpack`, runs in the interpreter): per nibble, mask, float
-magic-number subtract, fp32 scale multiply, round to bf16.
-ASM (CUDA only): `(w >> s) & 0x000F000F | 0x43004300` via lop3 gives two bf16 values 128 + n in
-one register, one bf16x2 fma subtracts 136 exactly and one multiplies by the bf16 scale (adding
--0, so a single rounding of the exact product): the same bits as the pure path. About 1.5
-instructions per weight instead of ~5.
+The words are packed along K (the reduction dimension), so a [BN, KW] tile of words is a
+[BN, 8 KW] tile of weights; word j's scale is scale[j // 4] (groups of 32 columns).
+Pure Triton (`unpack`, runs in the interpreter): per nibble, mask, float magic-number subtract
+(no int -> float conversion), fp32 scale multiply, round to bf16; the eight nibble planes are
+interleaved in registers (join + reshape) into natural column order, so one MMA per K step
+consumes them.
+ASM (`unpack_asm`, CUDA only): `(w >> s) & 0x000F000F | 0x43004300` via lop3 gives two bf16 values
+128 + n in one register, one bf16x2 fma subtracts 136 exactly and one multiplies by the bf16
+scale (adding -0, so a single rounding of the exact product): the same bits as the pure path.
+About 1.5 instructions per weight instead of ~5.
 """
 
 from __future__ import annotations
@@ -13,7 +17,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ddserve.kernels.moe_triton_v1 import _unpack
+
+@triton.jit
+def _dequant(words, scale, i: tl.constexpr):
+    """Nibble i of each int32 word, times its scale: [BN, KW] int32 -> [BN, KW] bf16."""
+    v = ((words >> (4 * i)) & 0xF) | 0x4B000000  # fp32 bits of 2^23 + n
+    f = v.to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + 8: stored q + 8 -> q
+    return (f * scale.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def unpack(words, scale):
+    """[BN, KW] words and their scales -> [BN, 8 * KW] bf16 weights in natural column order.
+
+    join() adds a minor dimension of size 2; joining (n0, n4), (n2, n6), (n1, n5), (n3, n7), then
+    pairs of those, then the two halves puts nibble i at minor position i, so the reshape yields
+    column 8 * j + i for nibble i of word j, without moving data between threads."""
+    n0 = _dequant(words, scale, 0)
+    n1 = _dequant(words, scale, 1)
+    n2 = _dequant(words, scale, 2)
+    n3 = _dequant(words, scale, 3)
+    n4 = _dequant(words, scale, 4)
+    n5 = _dequant(words, scale, 5)
+    n6 = _dequant(words, scale, 6)
+    n7 = _dequant(words, scale, 7)
+    lo = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    hi = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    w = tl.join(lo, hi)  # [BN, KW, 2, 2, 2]
+    return tl.reshape(w, (w.shape[0], w.shape[1] * 8))
+
 
 # (n0 + 128, n16 + 128) as bf16x2 via lop3, minus 136 (exact), times the scale (+ -0: one
 # rounding of the exact product). Shared with the Gluon kernel (`moe_gluon._pair`).
@@ -50,8 +82,8 @@ def _bf16(bits):
 
 
 @triton.jit
-def _unpack_asm(words, scale):
-    """`_unpack` with the bf16x2 trick: same output bits, about 1.5 instructions per weight."""
+def unpack_asm(words, scale):
+    """`unpack` with the bf16x2 trick: same output bits, about 1.5 instructions per weight."""
     s = scale.to(tl.bfloat16).to(tl.int16, bitcast=True)
     n0, n4 = _pair_asm(words, s)
     n1, n5 = _pair_asm(words >> 4, s)
@@ -66,7 +98,7 @@ def _unpack_asm(words, scale):
 
 
 @triton.jit
-def _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4: tl.constexpr,
+def load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4: tl.constexpr,
               KW: tl.constexpr, SV: tl.constexpr):  # fmt: skip
     """Raw operands of rows n, columns kb .. kb + 8 KW (masked at k_end): INT4 -> (words
     [BN, KW] int32, scales [BN, KW]); dense -> (tile [BN, 8 KW], the same tile).
@@ -94,12 +126,12 @@ def _load_raw(w_base, s_base, n, n_ok, kb, k_end, stride_wn, stride_sn, INT4: tl
 
 @triton.jit
 def _convert(a, b, INT4: tl.constexpr, ASM: tl.constexpr):
-    """`_load_raw`'s operands -> [BN, 8 KW] bf16 weights."""
+    """`load_raw`'s operands -> [BN, 8 KW] bf16 weights."""
     if INT4:
         if ASM:
-            return _unpack_asm(a, b)
+            return unpack_asm(a, b)
         else:
-            return _unpack(a, b)
+            return unpack(a, b)
     else:
         return a.to(tl.bfloat16)
 
@@ -115,33 +147,6 @@ def _mma(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _fake_bf16(words, scale):
-    """FAKE_DEQUANT ablation: the words reinterpreted as bf16 (halves, each used 4 times) with
-    the scale bits xor-ed in so the scale load stays live; no real dequant arithmetic."""
-    w = words ^ scale.to(tl.float32).to(tl.int32, bitcast=True)
-    lo = _bf16(w.to(tl.int16))
-    hi = _bf16((w >> 16).to(tl.int16))
-    t = tl.join(lo, hi)
-    t = tl.join(tl.join(t, t), tl.join(t, t))  # [BN, KW, 2, 2, 2]
-    return tl.reshape(t, (t.shape[0], t.shape[1] * 8))
-
-
-@triton.jit
-def _acc_step(acc, a, b, xk, INT4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
-              MODE: tl.constexpr):  # fmt: skip
-    """acc [BN, BM] += tile(a, b) @ xk, with `_load_raw`'s operands. MODE (ablations, INT4
-    only; every other stage kept): 0 the real step; 1 LOAD_ONLY (int sum of words and
-    scale bits, no dequant, no MMA); 2 NO_MMA (real dequant, summed into acc elementwise instead
-    of tl.dot); 3 FAKE_DEQUANT (bitcast words fed to the MMA)."""
-    if MODE == 0 or not INT4:
-        out = acc + _mma(_convert(a, b, INT4, ASM), xk, F32)
-    elif MODE == 1:
-        cs = tl.sum(a + b.to(tl.float32).to(tl.int32, bitcast=True), axis=1)  # [BN] (wraps)
-        out = acc + cs.to(tl.float32)[:, None]
-    elif MODE == 2:
-        w = _convert(a, b, INT4, ASM).to(tl.float32)  # [BN, 8 KW]
-        w3 = tl.reshape(w, (w.shape[0], w.shape[1] // acc.shape[1], acc.shape[1]), can_reorder=True)
-        out = acc + tl.sum(w3, axis=1)
-    else:
-        out = acc + _mma(_fake_bf16(a, b), xk, F32)
-    return out
+def acc_step(acc, a, b, xk, INT4: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """acc [BN, BM] += tile(a, b) @ xk, with `load_raw`'s operands."""
+    return acc + _mma(_convert(a, b, INT4, ASM), xk, F32)

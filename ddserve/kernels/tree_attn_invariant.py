@@ -3,45 +3,31 @@
 Every row is computed from its own key sequence in position order: positions p < plen are its
 block's prefix slots, position plen + k is the k-th visible block token of its block-mask row (its
 path root..itself). Key tiles (BN) and splits (SPLIT) sit at fixed multiples in position space and
-one configuration serves every call, so a row's arithmetic depends on nothing but its query and
-its ordered keys: a verify row equals the AR decode row of the same token bit for bit, whatever
-else is batched. Splits are merged in split order by `_combine_kernel`; when the host shapes fit
-one split (P_max + Q_max <= SPLIT) the kernel writes the output itself, which is bitwise what the
-merge of one split gives (o * 1 + 0, then o / 1).
+one configuration (`INVARIANT_CONFIG`) serves every call, so a row's arithmetic depends on nothing
+but its query and its ordered keys: a verify row equals the AR decode row of the same token bit
+for bit, whatever else is batched. Splits are merged in split order by `_combine_kernel`; when the
+host shapes fit one split (P_max + Q_max <= SPLIT) the kernel writes the output itself, which is
+bitwise what the merge of one split gives (o * 1 + 0, then o / 1).
 
 Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
-fp32 accumulator share 255 registers per thread. Round 1's BM=64 BN=64 8 warps spilled ~4 KB per
-thread (and ran ~9 us per key tile per program: a fixed ~140 us at SPLIT=1024); BM=16 BN=32 at
-8 warps needs 207 registers, no spill; BM=16 BN=16 4 warps 219, no spill; BM=32 BN=32 8 warps
-spills 20-40 B, BM=32 BN=16 8 warps 241, no spill; every BM=64 tile spills (>= 2 KB); BM=16 BN=32
-at 4 warps spills 400 B. BM=16 holds two tokens of 8 heads: the per-token tail loop is two
-iterations.
-`PRESETS` are the configurations bench_tree_attn.py --presets times against each other on the
-device; DDSERVE_TREE_ATTN_INVARIANT=<name> picks one for a process. SPLIT trades parallelism at
-small batches (short splits: more programs, fewer serial key tiles each) against partial-output
-traffic at large ones ([BM, R] fp32 per program and split, merged by a second launch).
-Triton does not pipeline these gathered loads (no cp.async in the PTX), so each key tile waits
-for its slot ids and then its keys: PREFETCH=1 loads the next tile's slot ids one iteration
-ahead (m16: 252 registers, no spill), PREFETCH=2 also its keys (spills except at BN=16). The
-PREFETCH variants of a configuration compute the same values in the same order (bitwise equal).
-Occupancy: m16 (252 x 256 threads) fits one program per SM; 4-warp BN=16 (242 / 219
-registers) two. With 8 warps and BM=16 each warp holds all of q for the score MMA (the warps
-split the keys), which is most of the register budget.
+fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every
+BM=64 tile spills (>= 2 KB). SPLIT trades parallelism at small batches (short splits: more
+programs, fewer serial key tiles each) against partial-output traffic at large ones ([BM, R]
+fp32 per program and split, merged by a second launch). Among the fixed configurations timed on
+an H200 (bench/results/tree_attn_presets_round2_2026-11-30.json, 42 cases), BM=32 BN=32 8 warps
+SPLIT=512 had the lowest geometric-mean and worst-case cost relative to the non-invariant kernel
+(1.73x and 2.33x).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ddserve.kernels.tree_attn import TreeAttnMeta
-
-log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -141,7 +127,7 @@ def _tree_attn_inv_kernel(
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows; the tail tiles are done once per token with that token's keys (same `_key_tile`)."""
@@ -185,30 +171,12 @@ def _tree_attn_inv_kernel(
     acc = tl.zeros([BM, R], dtype=tl.float32)
     n_end = tl.minimum(s1, pfull)
     ps_row = pslots_ptr + b * stride_ps
-    # PREFETCH 1: each iteration loads the next tile's slot ids; 2: also its keys (registers).
-    if PREFETCH > 0:
-        kf = s0 + tl.arange(0, BN)
-        slot_f = tl.load(ps_row + kf, mask=kf < n_end, other=0).to(tl.int64)
-        if PREFETCH > 1:
-            c, kp = _load_keys(kv_ptr, slot_f, kf < n_end, stride_kv, R, P)
     for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared
         kidx = n0 + tl.arange(0, BN)
         vis = row_ok[:, None] & (kidx[None, :] < nrow[:, None])
-        if PREFETCH > 1:
-            kn = kidx + BN
-            slot_f = tl.load(ps_row + kn, mask=kn < n_end, other=0).to(tl.int64)
-            c_n, kp_n = _load_keys(kv_ptr, slot_f, kn < n_end, stride_kv, R, P)
-            m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
-            c, kp = c_n, kp_n
-        elif PREFETCH > 0:
-            c, kp = _load_keys(kv_ptr, slot_f, kidx < plen, stride_kv, R, P)
-            kn = kidx + BN
-            slot_f = tl.load(ps_row + kn, mask=kn < n_end, other=0).to(tl.int64)
-            m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
-        else:
-            slot_s = tl.load(ps_row + kidx).to(tl.int64)
-            c, kp = _load_keys(kv_ptr, slot_s, kidx < plen, stride_kv, R, P)
-            m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
+        slot_s = tl.load(ps_row + kidx).to(tl.int64)
+        c, kp = _load_keys(kv_ptr, slot_s, kidx < plen, stride_kv, R, P)
+        m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
     m, l_sum, acc = _tail_tiles(  # tail tiles: each token's own keys
@@ -253,47 +221,9 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
 
-# Fixed configurations (SPLIT: keys per split, a multiple of BN). One of them serves every call
-# of a serving process: a row's arithmetic then depends on nothing but its query and its keys.
-PRESETS = {
-    # TAIL=1: the per-token tail tiles in a second launch (tree_attn_invariant_tail.py); ptxas
-    # sm_90 registers of the shared-tile kernel: t32 171, t16/t16s256 128 (two programs per SM),
-    # t16n16 167 (4 warps: three per SM), t32n64 255, t64 255 + 360 B spill (wgmma), t64n64 436 B
-    "t32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
-    "t32s256": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=0, TAIL=1),
-    "t16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1, TAIL=1),
-    "t16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
-    "t16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=256, PREFETCH=1, TAIL=1),
-    "t32n64": dict(BM=32, BN=64, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
-    "t64": dict(BM=64, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0, TAIL=1),
-    "t64n64": dict(BM=64, BN=64, num_warps=8, num_stages=2, SPLIT=1024, PREFETCH=0, TAIL=1),
-    # one launch (round 2; r1, m16p0, m16s1k, m16s2k, m16n16p0, m32n16, m32s1k were dropped:
-    # slower everywhere in bench/results/tree_attn_presets_round2_2026-11-30.json)
-    "m32": dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=0),
-    "m16s256": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=256, PREFETCH=1),
-    "m16": dict(BM=16, BN=32, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=1),
-    "m16n16": dict(BM=16, BN=16, num_warps=4, num_stages=2, SPLIT=512, PREFETCH=1),
-    "m16n16p2": dict(BM=16, BN=16, num_warps=8, num_stages=2, SPLIT=512, PREFETCH=2),
-}
-# m32: lowest geometric-mean and worst-case cost vs the default kernel over 42 cases on an H200
-# (bench/results/tree_attn_presets_round2_2026-11-30.json): 1.73x and 2.33x
-_FALLBACK_PRESET = "m32"
-
-
-def _env_preset() -> str:
-    """DDSERVE_TREE_ATTN_INVARIANT, or m32 (with a warning naming the presets) if unknown."""
-    name = os.environ.get("DDSERVE_TREE_ATTN_INVARIANT", _FALLBACK_PRESET)
-    if name not in PRESETS:
-        log.warning(
-            "DDSERVE_TREE_ATTN_INVARIANT=%r is not a preset (%s): using %r",
-            name, ", ".join(sorted(PRESETS)), _FALLBACK_PRESET,
-        )  # fmt: skip
-        return _FALLBACK_PRESET
-    return name
-
-
-DEFAULT_PRESET = _env_preset()
-INVARIANT_CONFIG = dict(PRESETS[DEFAULT_PRESET])
+# The one configuration (SPLIT: keys per split, a multiple of BN): a row's arithmetic then depends
+# on nothing but its query and its keys.
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512)
 
 
 def tree_mla_attention_invariant(
@@ -305,12 +235,13 @@ def tree_mla_attention_invariant(
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
-    `config` overrides INVARIANT_CONFIG (a preset name or a dict of BM, BN, num_warps,
-    num_stages, SPLIT); the engine must use one configuration for all its calls."""
+    `config` overrides keys of INVARIANT_CONFIG (tests use small tiles); rows are only comparable
+    between calls with the same configuration."""
     t, h, r = q_latent.shape
-    cfg = (
-        dict(PRESETS[config]) if isinstance(config, str) else {**INVARIANT_CONFIG, **(config or {})}
-    )
+    unknown = set(config or {}) - set(INVARIANT_CONFIG)
+    if unknown:
+        raise ValueError(f"invariant tree attention config: unknown keys {sorted(unknown)}")
+    cfg = {**INVARIANT_CONFIG, **(config or {})}
     assert cfg["SPLIT"] % cfg["BN"] == 0
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
     tiles = triton.cdiv(q_max * h, cfg["BM"])
@@ -326,23 +257,16 @@ def tree_mla_attention_invariant(
         return out
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
-    if cfg.get("TAIL"):
-        from ddserve.kernels.tree_attn_invariant_tail import _launch_split_tail
-
-        _launch_split_tail(q_latent, q_rope, kv_cache, out, po, plse, meta, softmax_scale, cfg,
-                           tiles, nsplit)  # fmt: skip
-    else:
-        _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
-            q_latent, q_rope, kv_cache, out, po, plse,
-            meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
-            softmax_scale * math.log2(math.e), tiles, nsplit,
-            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-            kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
-            mask.stride(1),
-            H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
-            PREFETCH=cfg.get("PREFETCH", 0),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
+    _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
+        q_latent, q_rope, kv_cache, out, po, plse,
+        meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
+        softmax_scale * math.log2(math.e), tiles, nsplit,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
+        mask.stride(1),
+        H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
     if nsplit > 1:
         _combine_kernel[(t * h,)](po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r)
     return out

@@ -16,7 +16,7 @@ position order (prefix slots, then its path root..itself, found from its block-m
 key tiles and splits at fixed multiples of constants in position space and one fixed compiled
 configuration. A row's arithmetic then depends on nothing but its query and its keys, so a
 verify row equals the AR decode row of the same token bit for bit, whatever else is batched.
-That mode lives in tree_attn_invariant.py (kernel, fixed presets, the split merge).
+That mode lives in tree_attn_invariant.py (kernel, its one configuration, the split merge).
 """
 
 from __future__ import annotations
@@ -138,14 +138,14 @@ def tree_mla_attention(
     meta: TreeAttnMeta,
     softmax_scale: float,
     *,
-    config: dict | str | None = None,
+    config: dict | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract. `config` may override BM, BN, num_warps, num_stages,
     NSPLIT (SPLIT instead of NSPLIT when `invariant`). R and P must be powers of two (512 and 64
     for K2.x). `invariant`: every row is computed from its own ordered key list only (see
-    tree_attn_invariant.py; `config` may also name one of its PRESETS), so a verify row equals
-    the AR decode row of the same token bit for bit."""
+    tree_attn_invariant.py), so a verify row equals the AR decode row of the same token bit for
+    bit."""
     t, h, r = q_latent.shape
     p = q_rope.shape[-1]
     assert kv_cache.shape[-1] == r + p and kv_cache.stride(-1) == 1

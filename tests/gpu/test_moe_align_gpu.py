@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddserve.kernels.moe_align import align_by_expert_triton
-from ddserve.kernels.moe_triton_v1 import align_by_expert
+from ddserve.kernels.moe_align import align_by_expert, align_by_expert_triton
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need CUDA")
 

@@ -46,27 +46,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # (variant config, invariant): every path that can ship
 PATHS = [
-    ({"variant": "v1"}, False),
     ({"variant": "v2"}, False),
     ({"variant": "v2"}, True),
-    ({"variant": "v2", "ASM": False}, False),
-    ({"variant": "v2", "ASM": False}, True),
-    ({"variant": "v2", "GEMV": True}, True),
-    ({"variant": "v2", "TUNED": True}, False),
-    ({"variant": "v2", "TMA": False}, True),  # round-2 default (pointer up kernel; SVEC is on)
+    ({"variant": "v2", "ASM": False}, True),  # the fallback when the asm dequant fails to compile
     ({"variant": "v3"}, True),  # Gluon, register-fed mma.sync (INT4 only: not in the dense test)
 ]
-PATH_IDS = [
-    "v1",
-    "v2",
-    "v2-inv",
-    "v2-noasm",
-    "v2-noasm-inv",
-    "v2-gemv-inv",
-    "v2-tuned",
-    "v2-ptr-inv",
-    "v3",
-]
+PATH_IDS = ["v2", "v2-inv", "v2-noasm-inv", "v3"]
 
 
 def check(
@@ -109,7 +94,7 @@ def test_odd_sizes(t, path):
     """Hidden and width that are not multiples of the K block (160, 96), 7 experts, top-3."""
     cfg, inv = path
     weights = random_int4_experts(7, 160, 96, torch.Generator().manual_seed(3))
-    small = {"v1": dict(KW1=16, KW2=16, BN1=16, BN2=16), "v2": dict(BN2=32)}.get(cfg["variant"], {})
+    small = {"v2": dict(BN2=32)}.get(cfg["variant"], {})
     check(weights, t, 3, seed=t, config={**cfg, **small}, invariant=inv)
     check(weights, t, 3, seed=t + 1, config=cfg, invariant=inv)
 
@@ -123,19 +108,9 @@ def test_empty_experts_and_one_hot_expert(path):
     check(weights, 300, 1, seed=6, only=1, config={**cfg, "BM": 16}, invariant=inv)
 
 
-V1_CONFIGS = [
-    dict(BM=16), dict(BM=32), dict(BM=64), dict(BN1=128, BN2=64), dict(SWAP=False), dict(KW1=64)
-]  # fmt: skip
 V2_CONFIGS = [
     dict(BM=32), dict(BM=64), dict(SPLIT=1), dict(SPLIT=2), dict(SPLIT=8), dict(KW1=32),
-    dict(KW1=64, S1=2), dict(BN1=64, BN2=64), dict(KW2=32), dict(W1=8, W2=8),
-    dict(PREFETCH=False), dict(PREFETCH=False, ASM=False), dict(TUNED=True), dict(GEMV=True),
-    dict(GEMV=True, SPLIT=1), dict(GEMV=True, BN1=32, KW1=32, W1=4), dict(BN1=32, W1=4),
-    dict(SVEC=True), dict(SVEC=True, KW1=32), dict(SVEC=True, MAXREG=128),
-    dict(SVEC=True, GEMV=True), dict(TMA=True, S1=4), dict(TMA=True, S1=6),
-    dict(TMA=True, BN1=32, W1=4, S1=4), dict(TMA=True, SPLIT=1), dict(TMA=True, SPLIT=8),
-    dict(TMA=False, BN1=32, W1=4, MAXREG=128), dict(TMA2=True), dict(TMA2=True, NT2=8, S2=3),
-    dict(TMA2=True, BM=32),
+    dict(KW1=64, S1=2), dict(W1=8, W2=8), dict(BN1=32, W1=4), dict(ASM=False),
 ]  # fmt: skip
 V3_CONFIGS = [
     dict(BM=8), dict(BM=16), dict(BM=32), dict(NREP=1), dict(NREP=4), dict(W=8, NREP=1),
@@ -146,8 +121,7 @@ V3_CONFIGS = [
 
 @pytest.mark.parametrize(
     "config",
-    [{"variant": "v1", **c} for c in V1_CONFIGS]
-    + [{"variant": "v2", **c} for c in V2_CONFIGS]
+    [{"variant": "v2", **c} for c in V2_CONFIGS]
     + [{"variant": "v3", **c} for c in V3_CONFIGS],
 )
 def test_tile_configs(config):
@@ -160,7 +134,7 @@ def test_tile_configs(config):
     )
 
 
-@pytest.mark.parametrize("path", PATHS[:3] + PATHS[5:6], ids=PATH_IDS[:3] + PATH_IDS[5:6])
+@pytest.mark.parametrize("path", PATHS[:3], ids=PATH_IDS[:3])
 @pytest.mark.parametrize("t", [0, 1, 19, 130])
 def test_dense_bf16_weights(t, path):
     gen = torch.Generator().manual_seed(t)
@@ -179,8 +153,7 @@ def test_dense_bf16_weights(t, path):
 
 
 INVARIANT_PATHS = [
-    {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v2", "GEMV": True},
-    {"variant": "v2", "TMA": False}, {"variant": "v2", "TMA2": True}, {"variant": "v3"},
+    {"variant": "v2"}, {"variant": "v2", "ASM": False}, {"variant": "v3"},
     {"variant": "v3", "BM": 8, "DEPTH": 2},
 ]  # fmt: skip
 
@@ -207,7 +180,7 @@ def _batch_with(probe, t: int, gen: torch.Generator, only: int | None):
 def test_invariant_rows_bitwise_k26():
     """invariant=True: each probe token's row is bitwise the same alone as in batches of 3..400
     (uniform routing of the others, and routing crowded onto 16 or 8 experts). Every mismatch is
-    printed; the non-invariant paths are reported for information only."""
+    printed."""
     from ddserve.kernels.moe_triton import fused_moe
 
     w = k26_experts()
@@ -216,7 +189,7 @@ def test_invariant_rows_bitwise_k26():
     ids0, tw0 = random_routing(3, 384, 8, gen)
     cases = [(t, None) for t in (3, 8, 48, 130, 400)] + [(64, 16), (300, 2)]
     failures = []
-    for cfg, inv in [(c, True) for c in INVARIANT_PATHS] + [(c, False) for c, _ in PATHS[:2]]:
+    for cfg, inv in [(c, True) for c in INVARIANT_PATHS]:
         alone = [fused_moe(x0[i : i + 1], ids0[i : i + 1], tw0[i : i + 1], w, config=cfg,
                            invariant=inv) for i in range(3)]  # fmt: skip
         for t, only in cases:
@@ -227,7 +200,7 @@ def test_invariant_rows_bitwise_k26():
                 line = f"{cfg} inv={inv} T={t} only={only} probe {i}: {int((diff > 0).sum())} "
                 line += f"elements differ, max {diff.max().item():.3e}"
                 print(line)
-                if inv and not torch.equal(out[r], alone[i][0]):
+                if not torch.equal(out[r], alone[i][0]):
                     failures.append(line)
     assert not failures, "\n".join(failures)
 
@@ -242,45 +215,8 @@ def test_asm_dequant_is_bitwise_the_pure_triton_one():
         ids, tw = random_routing(t, 384, 8, gen)
         a = fused_moe(x, ids, tw, w, config={"variant": "v2", "ASM": True}, invariant=True)
         b = fused_moe(x, ids, tw, w, config={"variant": "v2", "ASM": False}, invariant=True)
-        c = fused_moe(x, ids, tw, w, config={"variant": "v2", "SVEC": True}, invariant=True)
         print(f"T={t}: asm vs pure max diff {(a.float() - b.float()).abs().max().item():.3e}")
-        print(f"T={t}: svec vs default max diff {(a.float() - c.float()).abs().max().item():.3e}")
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-
-def test_tma_is_bitwise_the_pointer_kernel():
-    """The TMA up kernel (round 3) vs the pointer kernel with the same tiles (TMA2: the TMA down
-    kernel vs the pointer down kernel, with the TMA up kernel on both sides): the same bits at
-    T = 1, 192 (K2.6 shapes), for the default tiles and the variants the bench times. Every
-    pair is printed before the assert; TMA_ERROR (the TMA kernel failed, pointer fallback) too."""
-    from ddserve.kernels import moe_triton_v2
-    from ddserve.kernels.moe_triton import fused_moe
-
-    w = k26_experts()
-    gen = torch.Generator().manual_seed(11)
-    tiles = [{}, {"S1": 4}, {"S1": 6}, {"BN1": 32, "W1": 4, "S1": 4}, {"SPLIT": 8}]
-    tiles += [{"TMA2": True}, {"TMA2": True, "NT2": 2, "S2": 3}, {"TMA2": True, "NT2": 8, "S2": 3}]
-    bad = []
-    for t in (1, 192):
-        x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
-        ids, tw = random_routing(t, 384, 8, gen)
-        ref = fused_moe(x, ids, tw, w, config={"variant": "v2", "TMA": False}, invariant=True)
-        for c in tiles:
-            on = {"TMA": True} if "TMA2" not in c else {}  # TMA2 runs with the TMA up kernel
-            off = {"TMA": False} if "TMA2" not in c else {"TMA2": False}
-            a, b = (
-                fused_moe(x, ids, tw, w, config={"variant": "v2", **c, **o}, invariant=True)
-                for o in (on, off)
-            )
-            same, same_default = torch.equal(a, b), torch.equal(a, ref)
-            line = f"T={t} {c}: tma == pointer {same}, == pointer default tiles {same_default}, "
-            line += f"max diff {(a.float() - b.float()).abs().max().item():.3e}"
-            print(line)
-            if not same:
-                bad.append(line)
-    print("TMA_ERROR", moe_triton_v2.TMA_ERROR)
-    assert moe_triton_v2.TMA_ERROR is None
-    assert not bad, "\n".join(bad)
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
@@ -312,6 +248,5 @@ def test_backend_picks_triton_on_cuda():
     from ddserve.kernels import backend
     from ddserve.kernels.moe_triton import fused_moe
 
-    fn = backend.moe("cuda")  # may be a functools.wraps wrapper around the kernel
-    fn = getattr(fn, "__wrapped__", fn)
-    assert fn is fused_moe or fn.__module__.endswith("marlin")
+    fn = backend.moe("cuda")  # a functools.wraps wrapper around the kernel
+    assert getattr(fn, "__wrapped__", fn) is fused_moe
