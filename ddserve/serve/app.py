@@ -122,9 +122,6 @@ def create_app(
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(ApiKeyGuard, api_key=api_key, count=counters.finish)
     auth = (401,) if api_key is not None else ()
-    max_prompt_tokens = (
-        model.max_model_len if limits.max_prompt_tokens is None else limits.max_prompt_tokens
-    )
     tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ddserve-tokenize")
     detokenize = ThreadPoolExecutor(DETOKENIZE_THREADS, thread_name_prefix="ddserve-detokenize")
 
@@ -138,7 +135,7 @@ def create_app(
             model.max_model_len,
             model.vocab_size,
             max_prompt_chars=limits.max_prompt_chars,
-            max_prompt_tokens=max_prompt_tokens,
+            max_prompt_tokens=limits.max_prompt_tokens,  # None: the context length
         )
         return await asyncio.get_running_loop().run_in_executor(tokenize, call)
 

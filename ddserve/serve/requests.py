@@ -2,8 +2,9 @@
 
 Every rejection is an `ApiError` naming the offending field, so the client learns what to fix.
 Prompt text is measured in characters before it is tokenized (`max_prompt_chars`), and in tokens
-after (`max_prompt_tokens`, at most the context length). These functions tokenize: the app runs
-them on a worker thread, never on the event loop.
+after (`max_prompt_tokens` when set, and always the context length: a prompt must leave room for
+one generated token). These functions tokenize: the app runs them on a worker thread, never on
+the event loop.
 """
 
 from __future__ import annotations
