@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -13,16 +15,14 @@ import pytest
 import uvicorn
 from serve_fakes import EOS, ByteTok, FakeEngine
 
-from ddserve.serve.app import ServedModel, create_app
+from ddserve.serve.app import HttpLimits, ServedModel, create_app
 
 MODEL = "fake-model"
 CTX = 64
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = FakeEngine(chunk=3, delay=0.002)
-    app = create_app(engine, ServedModel(MODEL, CTX, ByteTok()))
+@contextlib.contextmanager
+def _serving(app) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -31,9 +31,18 @@ def server():
     thread.start()
     while not srv.started:
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(5)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine(chunk=3, delay=0.002)
+    with _serving(create_app(engine, ServedModel(MODEL, CTX, ByteTok()))) as base:
+        yield base, engine
 
 
 @pytest.fixture
@@ -249,3 +258,30 @@ def test_sse_wire_format_ends_with_done(url: str) -> None:
         events = [ln for ln in r.iter_lines() if ln]
     assert events[-1] == "data: [DONE]"
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
+
+
+def test_api_key_over_real_http_with_the_openai_client() -> None:
+    app = create_app(FakeEngine(), ServedModel(MODEL, CTX, ByteTok()), HttpLimits(), "sk-right")
+    with _serving(app) as base:
+        right = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-right", max_retries=0)
+        assert (
+            right.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text == "ab"
+        )
+        wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["code"] == "invalid_api_key" and "sk-wrong" not in str(e.value)
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 401
+
+
+def test_oversized_body_over_real_http_is_413_in_openai_shape() -> None:
+    app = create_app(
+        FakeEngine(), ServedModel(MODEL, CTX, ByteTok()), HttpLimits(max_body_bytes=1024)
+    )
+    with _serving(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="x" * 2000, max_tokens=2)
+        assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+        assert httpx.get(f"{base}/health").status_code == 200
