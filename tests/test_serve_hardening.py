@@ -479,6 +479,11 @@ def test_no_key_configured_means_no_auth() -> None:
     assert r.status_code == 200
 
 
+def test_an_empty_api_key_is_refused_rather_than_accepting_an_empty_bearer() -> None:
+    with pytest.raises(ValueError, match="api_key"):
+        _app(api_key="")
+
+
 def test_unauthenticated_bodies_are_not_read() -> None:
     tok = SlowTok()
     app = _app(tok=tok, api_key=KEY)

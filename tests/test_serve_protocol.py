@@ -85,7 +85,8 @@ def test_chat_text_parts_are_joined() -> None:
     [
         ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, ["'image_url'"]),
         ({"type": "input_audio", "input_audio": {}}, ["'input_audio'"]),
-        ({"text": "no type"}, ["type missing"]),
+        ({"text": "no type"}, ["has no 'type'"]),
+        ({"type": 5, "text": "x"}, ["has type '5'"]),
         ({"type": "text"}, ["string 'text'"]),
         ({"type": "text", "text": 5}, ["string 'text'"]),
     ],

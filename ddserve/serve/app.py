@@ -115,6 +115,8 @@ def create_app(
 ) -> FastAPI:
     """The app. `api_key`: when set, every path but /health needs `Authorization: Bearer <key>`
     (401 otherwise); None serves without authentication."""
+    if api_key == "":  # an unset environment variable must not mean "the empty key"
+        raise ValueError("api_key is empty: pass None to serve without a key")
     app = FastAPI(title="ddserve", docs_url=None, redoc_url=None)
     counters = metrics.HttpCounters()
     errors.install(app, counters.finish)

@@ -129,9 +129,9 @@ class ChatMessage(_Request):
         for i, part in enumerate(v if isinstance(v, list) else []):
             kind = part.get("type")
             if kind != "text":
-                name = quoted(kind) if isinstance(kind, str) else "missing"
+                what = "has no 'type'" if kind is None else f"has type {quoted(str(kind))}"
                 raise ValueError(
-                    f"content part {i} has type {name}: only 'text' parts are supported "
+                    f"content part {i} {what}: only 'text' parts are supported "
                     "(this model reads text only)"
                 )
             text = part.get("text")
