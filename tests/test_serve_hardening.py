@@ -474,6 +474,17 @@ def test_health_is_open_and_everything_else_needs_the_key() -> None:
     _openai_error(_call(app, "GET", "/v1/unknown", headers=auth), 404)
 
 
+def test_health_stays_open_under_a_root_path() -> None:
+    async def go() -> tuple[int, int]:
+        transport = httpx.ASGITransport(app=_app(api_key=KEY), root_path="/pre")
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return (await c.get("/pre/health")).status_code, (
+                await c.get("/pre/v1/models")
+            ).status_code
+
+    assert asyncio.run(go()) == (200, 401)
+
+
 def test_no_key_configured_means_no_auth() -> None:
     r = _call(_app(), "GET", "/v1/models", headers={"authorization": "Bearer anything"})
     assert r.status_code == 200

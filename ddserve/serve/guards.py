@@ -31,7 +31,7 @@ class ApiKeyGuard:
         self.app, self._key, self._count = app, f"Bearer {api_key}".encode(), count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or _route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization")
         if given is not None and hmac.compare_digest(given, self._key):
@@ -78,6 +78,12 @@ class BodyLimit:
             headers={"Connection": "close"},
         )
         await error_response(err)(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the app routes on: without the root path a proxy mounted it under."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
