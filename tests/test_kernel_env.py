@@ -1,4 +1,5 @@
-"""Kernel selection reads no environment at import, and the MoE's v3 -> v2 fallback rules.
+"""Kernel selection: no environment read at import, one declared set of environment overrides
+resolved into an engine's `KernelConfig`, and the MoE's v3 -> v2 fallback rules.
 
 The import check runs in a subprocess (a fresh interpreter, so every kernel module really is
 imported there) that records every environment lookup made by ddserve's own code while importing
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,15 +75,38 @@ def _int4_experts():
     return ExpertWeights(w13_packed=w13p, w13_scale=s13, w2_packed=w2p, w2_scale=s2)
 
 
+def test_every_environment_override_is_declared_in_config():
+    from ddserve.kernels.config import ENV_OVERRIDES
+
+    names = set()
+    for path in (ROOT / "ddserve" / "kernels").glob("*.py"):
+        names |= set(re.findall(r"DDSERVE_\w+", path.read_text()))
+    assert names == set(ENV_OVERRIDES)
+
+
+def test_kernel_config_takes_arguments_then_the_environment():
+    from ddserve.kernels.config import KernelConfig
+
+    env = {"DDSERVE_MOE_VARIANT": "v2"}
+    assert KernelConfig.resolve(True, env={}) == KernelConfig(batch_invariant=True)
+    assert KernelConfig.resolve(False, env=env) == KernelConfig(False, moe_variant="v2")
+    assert KernelConfig.resolve(True, moe_variant="v3", env=env).moe_variant == "v3"
+    with pytest.raises(ValueError, match="v1"):
+        KernelConfig.resolve(True, env={"DDSERVE_MOE_VARIANT": "v1"})
+
+
 @pytest.fixture
 def moe(monkeypatch):
     """`moe_triton` with v3 chosen by default and both variants stubbed (v2 returns ones)."""
     from ddserve.kernels import moe_triton
 
-    monkeypatch.delenv("DDSERVE_MOE_VARIANT", raising=False)
+    def v2(x, *args, **kwargs):
+        return torch.ones_like(x)
+
     monkeypatch.setattr(moe_triton, "V3_ERROR", None)
     monkeypatch.setattr(moe_triton, "default_variant", lambda x, w: "v3")
-    monkeypatch.setattr(moe_triton, "fused_moe_v2", lambda x, *a, **k: torch.ones_like(x))
+    monkeypatch.setattr(moe_triton, "fused_moe_v2", v2)
+    monkeypatch.setitem(moe_triton.VARIANTS, "v2", v2)
     return moe_triton
 
 
@@ -110,14 +135,17 @@ def test_v3_out_of_memory_is_raised_not_a_fallback(moe, monkeypatch):
     assert moe.V3_ERROR is None
 
 
-def test_moe_variant_override_is_read_per_call(monkeypatch):
-    from ddserve.kernels.moe_triton import default_variant
+def test_the_engine_config_names_the_moe_variant_without_fallback(moe, monkeypatch):
+    from ddserve.kernels import backend
+    from ddserve.kernels.config import KernelConfig
 
-    x, w = torch.zeros(1, 64), _int4_experts()
-    monkeypatch.setenv("DDSERVE_MOE_VARIANT", "v3")
-    assert default_variant(x, w) == "v3"
-    monkeypatch.setenv("DDSERVE_MOE_VARIANT", "v1")
-    with pytest.raises(ValueError, match="v1"):
-        default_variant(x, w)
-    monkeypatch.delenv("DDSERVE_MOE_VARIANT")
-    assert default_variant(x, w) == "v2"  # CPU tensors: v3 does not apply
+    def v3(*args, **kwargs):
+        raise AssertionError("v3 ran")
+
+    monkeypatch.setattr(moe, "fused_moe_v3", v3)
+    monkeypatch.setitem(moe.VARIANTS, "v3", v3)
+    with backend.kernel_mode(KernelConfig(batch_invariant=True, moe_variant="v2")):
+        assert torch.equal(_call(moe), torch.ones(3, 64, dtype=torch.bfloat16))
+    with backend.kernel_mode(KernelConfig(moe_variant="v3")), pytest.raises(AssertionError):
+        _call(moe)  # named: raised, not a fallback
+    assert moe.V3_ERROR is None

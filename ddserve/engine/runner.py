@@ -25,6 +25,7 @@ from ddserve.engine.graphs import GraphedForward
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
 from ddserve.engine.threads import configure_cpu_threads
 from ddserve.kernels import backend
+from ddserve.kernels.config import KernelConfig
 from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
 from ddserve.model.moe import build_dequantized_caches
 from ddserve.sampling import SamplingParams
@@ -83,6 +84,8 @@ class ModelRunner:
 
     def _setup(self, model, model_cfg, comm, engine_cfg, drafter) -> None:
         self.cfg, self.comm = engine_cfg, comm
+        self.kernels = KernelConfig.resolve(batch_invariant=engine_cfg.batch_invariant)
+        log.info("kernel configuration: %s", self.kernels)
         self.model, self.model_cfg = model, model_cfg
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":  # CPU tensor-parallel ranks share one host
@@ -123,7 +126,7 @@ class ModelRunner:
         self._reserved += len(scratch)  # padding rows' slots, never given to a stream
 
         def run_model(ids, pos, meta):  # captured once per shape, in this engine's kernel mode
-            with backend.invariant_mode(self.cfg.batch_invariant):
+            with backend.kernel_mode(self.kernels):
                 return self.model(ids, pos, self.kv.pool, meta, self.capture)
 
         return GraphedForward(run_model, self.cfg.graph_buckets, scratch, self.device)
@@ -223,7 +226,7 @@ class ModelRunner:
 
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
-        with backend.invariant_mode(self.cfg.batch_invariant):
+        with backend.kernel_mode(self.kernels):
             return self.model(
                 ids, positions, self.kv.pool, meta, self.capture, absorbed, logit_rows=logit_rows
             )

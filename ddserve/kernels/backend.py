@@ -1,7 +1,7 @@
 """The one place that chooses kernel backends. The choice is logged once per process.
 
-Which kernel serves what (an engine's forwards run inside `invariant_mode(EngineConfig
-.batch_invariant)`, default on; prompt chunks also inside `prefill_phase()`):
+Which kernel serves what (an engine's forwards run inside `kernel_mode(its KernelConfig)`,
+batch-invariant by default; prompt chunks also inside `prefill_phase()`):
 
 CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the torch references.
 - tree attention: `tree_attn.tree_mla_attention_ref`
@@ -30,46 +30,60 @@ CUDA, batch-invariant mode off: the same MoE; tree attention `tree_attn_triton._
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
 
 import torch
 
+from ddserve.kernels.config import KernelConfig
+
 log = logging.getLogger(__name__)
 
 
 HALF = (torch.bfloat16, torch.float16)
 
-# Batch-invariant mode: every kernel computes each token's row with the same arithmetic in the
-# same order whatever else is in the batch (and, for attention, whether a key is a prefix key or
-# a tree key), so a DDTree verify row equals the autoregressive row bit for bit in 16-bit dtypes.
-# ModelRunner runs each of its forwards inside `invariant_mode(EngineConfig.batch_invariant)`;
-# outside an engine the mode is `set_batch_invariant`'s (default off: plain torch / kernels).
-_batch_invariant = False
+# The configuration of the forwards running now (`config.KernelConfig`). In batch-invariant mode
+# every kernel computes each token's row with the same arithmetic in the same order whatever else
+# is in the batch (and, for attention, whether a key is a prefix key or a tree key), so a DDTree
+# verify row equals the autoregressive row bit for bit in 16-bit dtypes. ModelRunner runs each of
+# its forwards inside `kernel_mode(its config)`; outside an engine it is `set_batch_invariant`'s
+# (default: batch invariance off, MoE variant chosen per call).
+_current = KernelConfig()
 
 
-def set_batch_invariant(on: bool) -> None:
-    global _batch_invariant
-    if on != _batch_invariant:
-        log.info("batch-invariant kernels: %s", "on" if on else "off")
-    _batch_invariant = bool(on)
-
-
-def batch_invariant() -> bool:
-    return _batch_invariant
+def current() -> KernelConfig:
+    return _current
 
 
 @contextlib.contextmanager
-def invariant_mode(on: bool) -> Iterator[None]:
-    """The mode for the forwards inside (ModelRunner wraps each of its forwards, so engines with
-    different settings in one process do not leak into each other); restored on exit."""
-    global _batch_invariant
-    before, _batch_invariant = _batch_invariant, bool(on)
+def kernel_mode(cfg: KernelConfig) -> Iterator[None]:
+    """`cfg` for the forwards inside (engines with different settings in one process do not leak
+    into each other); restored on exit."""
+    global _current
+    before, _current = _current, cfg
     try:
         yield
     finally:
-        _batch_invariant = before
+        _current = before
+
+
+def invariant_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The current configuration with batch invariance `on`, for the forwards inside."""
+    return kernel_mode(dataclasses.replace(_current, batch_invariant=bool(on)))
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch invariance outside any `kernel_mode` (tests, benchmarks)."""
+    global _current
+    if on != _current.batch_invariant:
+        log.info("batch-invariant kernels: %s", "on" if on else "off")
+    _current = dataclasses.replace(_current, batch_invariant=bool(on))
+
+
+def batch_invariant() -> bool:
+    return _current.batch_invariant
 
 
 def _half_only(fast: Callable, ref: Callable) -> Callable:
@@ -80,7 +94,7 @@ def _half_only(fast: Callable, ref: Callable) -> Callable:
     @functools.wraps(fast)
     def call(x: torch.Tensor, *args, **kwargs):
         if x.dtype in HALF:
-            return fast(x, *args, invariant=_batch_invariant, **kwargs)
+            return fast(x, *args, invariant=_current.batch_invariant, **kwargs)
         return ref(x, *args, **kwargs)
 
     return call
@@ -176,7 +190,7 @@ def _invariant_kernels():
 
 def _invariant_for(op: str, x: torch.Tensor):
     """The invariant kernels when the mode is on, x is on CUDA in a supported dtype; else None."""
-    use = _batch_invariant and x.device.type == "cuda" and x.dtype in INVARIANT_DTYPES
+    use = _current.batch_invariant and x.device.type == "cuda" and x.dtype in INVARIANT_DTYPES
     kernels = _invariant_kernels() if use else None
     _note(op, f"triton batch-invariant ({x.dtype})" if kernels else f"torch ({x.device.type})")
     return kernels
@@ -212,7 +226,7 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     torch's sum otherwise."""
     from ddserve.kernels.invariant_ref import fixed_order_sum
 
-    if not _batch_invariant:
+    if not _current.batch_invariant:
         return x.sum(dim=-1, keepdim=True)
     if x.dtype == torch.float32 and x.shape[-1] <= 8:
         kernels = _invariant_for("row_sum", x)

@@ -6,17 +6,18 @@
 - "v2" (`moe_triton_v2`): split-K up-projection on the layout as shipped, bf16x2 asm dequant on
   CUDA; dense experts, other scale dtypes, the Triton interpreter, and the fallback when v3 fails
   on its first call (compile or launch: V3_ERROR says why, and v2 runs from then on).
-Both are batch invariant (fixed tiles, fixed-order sums, no atomics). DDSERVE_MOE_VARIANT (or
-config={"variant": ...}) names a variant explicitly, with no fallback.
+Both are batch invariant (fixed tiles, fixed-order sums, no atomics). The engine's
+`KernelConfig.moe_variant` (set from DDSERVE_MOE_VARIANT, see `config.py`) or config={"variant":
+...} names a variant explicitly, with no fallback.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from ddserve.kernels import backend
 from ddserve.kernels.moe_common import may_fall_back
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v2 import fused_moe_v2
@@ -31,12 +32,7 @@ V3_ERROR: str | None = None  # set when v3 failed to compile or launch (then v2 
 
 
 def default_variant(x: torch.Tensor, weights: ExpertWeights) -> str:
-    """DDSERVE_MOE_VARIANT if set, else v3 where it applies (CUDA, INT4, bf16 scales), else v2."""
-    env = os.environ.get("DDSERVE_MOE_VARIANT")
-    if env:
-        if env not in VARIANTS:
-            raise ValueError(f"DDSERVE_MOE_VARIANT={env!r}: expected one of {sorted(VARIANTS)}")
-        return env
+    """v3 where it applies (CUDA, INT4, bf16 scales) and has not failed, else v2."""
     v3_ok = x.is_cuda and weights.is_int4 and weights.w13_scale.dtype == torch.bfloat16
     variant = "v3" if v3_ok and V3_ERROR is None else "v2"
     if variant not in _LOGGED:
@@ -68,15 +64,15 @@ def fused_moe(
     `invariant` changes nothing)."""
     global V3_ERROR
     cfg = dict(config or {})
-    variant = cfg.pop("variant", None)
-    explicit = variant is not None or bool(os.environ.get("DDSERVE_MOE_VARIANT"))
+    variant = cfg.pop("variant", None) or backend.current().moe_variant
+    explicit = variant is not None
     in_place = weights.is_int4 and in_place_started(weights.w13_packed)
     variant = variant or ("v3" if in_place and x.is_cuda else default_variant(x, weights))
     if in_place and variant != "v3":
         raise RuntimeError(
             f"MoE {variant}: these experts were repacked in place for v3 (the model's own weights "
             "on CUDA); only v3 and the torch reference read them. Set DDSERVE_MOE_VARIANT before "
-            "the first forward to keep the original layout."
+            "the engine starts to keep the original layout."
         )
     if explicit or variant != "v3" or in_place:
         return VARIANTS[variant](x, topk_ids, topk_weights, weights, config=cfg)

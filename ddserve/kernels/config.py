@@ -1,0 +1,41 @@
+"""An engine's kernel configuration: resolved once (`KernelConfig.resolve`) from explicit
+arguments and the environment overrides declared here, logged by the engine, and active during
+its forwards (`backend.kernel_mode`). Nothing else in `ddserve.kernels` reads the environment
+to choose kernels."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MOE_VARIANTS = ("v2", "v3")
+# Every environment variable that changes which kernels run, with what it sets.
+ENV_OVERRIDES = {
+    "DDSERVE_MOE_VARIANT": "moe_variant: v2 or v3 for every MoE call (no v3 -> v2 fallback)",
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    # each token's row computed with one fixed arithmetic whatever else is in the forward
+    # (DDTree verify rows == AR rows bit for bit); see backend.py
+    batch_invariant: bool = False
+    # the routed-experts kernel; None: v3 where it applies (CUDA, INT4, bf16 scales), else v2
+    moe_variant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.moe_variant is not None and self.moe_variant not in MOE_VARIANTS:
+            raise ValueError(f"moe_variant={self.moe_variant!r}: expected one of {MOE_VARIANTS}")
+
+    @classmethod
+    def resolve(
+        cls,
+        batch_invariant: bool,
+        moe_variant: str | None = None,
+        env: Mapping[str, str] = os.environ,
+    ) -> KernelConfig:
+        """The configuration from explicit arguments; `env` (ENV_OVERRIDES) fills what they
+        leave open."""
+        variant = moe_variant or env.get("DDSERVE_MOE_VARIANT") or None
+        return cls(batch_invariant=bool(batch_invariant), moe_variant=variant)
