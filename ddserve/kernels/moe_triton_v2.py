@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 
 ASM_ERROR: str | None = None  # set when the asm dequant failed to compile (then auto-off)
 CHUNK = 1024  # tokens per call (bounds the [P, H] fp32 per-pair buffer)
-# H200 measurements (bench/results/moe_variants_round2_2026-11-30.json): BN1=64 at 8 warps was the
-# fastest v2 config at every T (1 .. 768); one load per scale group plus maxnreg 128 on the up
-# kernel (ptxas sm_90: 130 registers, two 8-warp programs per SM) 1.5-1.6x faster than per-word
-# scale loads. Down: BN2=64 KW2=32 (all of K = 256 in one step), 132 registers.
+# On an H200 (BENCHMARKS.md, W4A16 MoE): BN1=64 at 8 warps is the fastest v2 tiling measured at
+# every T (1 .. 768); one load per scale group plus maxnreg 128 on the up kernel (ptxas sm_90: 130
+# registers, two 8-warp programs per SM) is 1.5-1.6x faster than per-word scale loads
+# (bench/results/moe_variants_round2_2026-11-30.json). Down: BN2=64 KW2=32 (all of K = 256 in one
+# step), 132 registers.
 # Keys a caller may override (tests cross tile edges with them); the engine uses these values.
 INVARIANT_CONFIG = dict(
     BM=16, BN1=64, SPLIT=4, KW1=16, BN2=64, KW2=32, W1=8, W2=4, S1=3, S2=2, MAXREG=128,
