@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Nsight Compute on one fused_moe call (K2.6 per-rank shapes, T=192, default invariant config):
-# SpeedOfLight, MemoryWorkloadAnalysis, WarpStateStats, LaunchStats, Occupancy of the MoE kernels
-# (_up[_tma]_kernel, _silu_kernel, _down[_tma]_kernel, _combine_kernel; the 2nd and 4th are in
-# moe_reduce.py), printed as a compact text report
+# Nsight Compute on one fused_moe call (K2.6 per-rank shapes, T=192 or $T, bf16 scales, so the
+# default variant v3): SpeedOfLight, MemoryWorkloadAnalysis, WarpStateStats, LaunchStats, Occupancy
+# of the MoE kernels (v3: _w4_gemm_kernel, up then down; v2: _up_kernel, _silu_kernel, _down_kernel,
+# _combine_kernel, the 2nd and 4th in moe_reduce.py), printed as a compact text report
 # (<= 200 lines) to stdout and to $OUT/ncu_moe.txt (raw CSV in $OUT/ncu_moe.csv).
-# MOE_CONFIG='{"TMA": false}' (JSON) profiles that config instead of the default;
-# MOE_CONFIG='{"variant": "v3"}' the Gluon kernel (_w4_gemm_kernel, up then down).
+# MOE_CONFIG='{"variant": "v2"}' (JSON, fused_moe's config) profiles v2 instead.
 # Exits 2 within ~30 s with a clear message when ncu is missing or cannot read the GPU counters
 # (e.g. the gVisor runtime). Usage, from the repository root: bash bench/ncu_moe.sh   (< 90 s)
 set -u
@@ -43,7 +42,6 @@ DRIVER=$(cat <<'EOF'
 import json, math, os, torch
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton import fused_moe
-from ddserve.kernels.moe_triton_v2 import INVARIANT_CONFIG
 t, e, h, i, k = int(os.environ.get("T", "192")), 384, 7168, 256, 8
 g = torch.Generator(device="cuda").manual_seed(0)
 def packed(rows, cols):
@@ -61,7 +59,7 @@ cfg = json.loads(os.environ.get("MOE_CONFIG") or "{}")
 for _ in range(3):
     fused_moe(x, ids, tw, w, config=cfg, invariant=True)
 torch.cuda.synchronize()
-print("config", {**INVARIANT_CONFIG, **cfg}, "T", t, "distinct experts", int(torch.unique(ids).numel()))
+print("config", cfg or "default", "T", t, "distinct experts", int(torch.unique(ids).numel()))
 torch.cuda.profiler.start()
 fused_moe(x, ids, tw, w, config=cfg, invariant=True)
 torch.cuda.synchronize()
@@ -70,7 +68,7 @@ EOF
 )
 CSV="$OUTDIR/ncu_moe.csv"
 T=$T timeout 75 "$NCU" --clock-control none --profile-from-start off \
-  -k 'regex:^_(up|silu|down|combine|w4_gemm)(_tma)?_kernel' \
+  -k 'regex:^_(up|silu|down|combine|w4_gemm)_kernel' \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section LaunchStats --section Occupancy --csv --page details \
   python3 -c "$DRIVER" >"$CSV" 2>"$OUTDIR/ncu_moe.stderr"

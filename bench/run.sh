@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The device runner: one mode per thing measured, all results under $OUT (JSON per part, a .log per
+# command, and $OUT/log with the machine, versions and each command's tail). Run from anywhere:
+#   OUT=results bash bench/run.sh MODE [extra arguments for the mode's main script]
+#   DRY=1 bash bench/run.sh MODE     # print the commands, run nothing
+# Modes (bench/README.md says what each script measures):
+#   tests       pytest tests/gpu (kernels vs references, the engine on CUDA, NCCL with 2 GPUs)
+#   exactness   DDTree == AR: engine check (bf16, batch-invariant), layer-by-layer probe, and
+#               through HTTP when Ray is importable (serve_exactness.py, tp = number of GPUs;
+#               extra args go to `ddserve serve`)
+#   moe         the INT4 MoE: v3 and v2 at K2.6 shapes (+ kernel breakdown), expert alignment
+#   attention   tree-verify attention (plain and invariant vs SDPA) and the tree builder
+#   dense       batch-invariant dense ops vs torch, and their offline sm_90 compile report
+#   engine      the K2.6 rank step (bench_engine.py; extra args replace its defaults below)
+#   serve       `ddserve serve` on every GPU (needs Ray): streaming curl, load test, /metrics,
+#               clean shutdown; extra args go to `ddserve serve`
+#   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
+# Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODES="tests exactness moe attention dense engine serve pair"
+MODE=${1:-}
+if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
+  echo "unknown mode: $MODE" >&2; exit 2
+fi
+shift
+OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+export OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} RAY_AUTH_MODE=disabled
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+LOG=$OUT/log
+status=0
+
+# step NAME SECONDS CMD...: run CMD under a time limit, full output in $OUT/NAME.log, tail in $LOG
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "\$ $*" >>"$LOG"
+  if [ -n "${DRY:-}" ]; then echo "$*"; return 0; fi
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -30 "$OUT/$name.log" >>"$LOG"
+  [ $rc -eq 0 ] || { echo "[$name: exit $rc]" >>"$LOG"; status=1; }
+}
+has_ray() { python3 -c "import ray" 2>/dev/null; }
+
+[ -n "${DRY:-}" ] || { date -u; nvidia-smi -L
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} >>"$LOG" 2>&1
+
+case "$MODE" in
+  tests)
+    step pytest 500 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf "$@"
+    ;;
+  exactness)
+    step engine_check 200 python3 bench/gpu_engine_check.py --batch-invariant --dtypes bfloat16 \
+      --out "$OUT/engine_check_bf16_invariant.json"
+    step probe 150 python3 bench/exactness_probe.py --out "$OUT/exactness_probe.json"
+    if [ -n "${DRY:-}" ] || has_ray; then
+      step serve_exactness 250 python3 bench/serve_exactness.py --out "$OUT/serve_exactness.json" \
+        -- "$@"
+    fi
+    ;;
+  moe)
+    step moe 300 python3 bench/bench_moe.py --breakdown --out "$OUT/moe.json" "$@"
+    step align 90 python3 bench/bench_align.py --out "$OUT/align.json"
+    ;;
+  attention)
+    step tree_attn 300 python3 bench/bench_tree_attn.py --prefixes 1024,8192,32768 \
+      --out "$OUT/tree_attn.json" "$@"
+    step tree_build 120 python3 bench/bench_tree_build.py --out "$OUT/tree_build.json"
+    ;;
+  dense)
+    step dense 200 python3 bench/bench_dense.py --budget 170 --out "$OUT/dense.json" "$@"
+    step aot_dense 200 python3 bench/aot_dense.py --json "$OUT/aot_dense.json"
+    ;;
+  engine)
+    [ $# -gt 0 ] || set -- --batches 1,5,10 --budgets 8,16 --corrupt 0,0.3 --cuda-graphs
+    step engine 420 python3 bench/bench_engine.py --max-seconds 330 --out "$OUT/engine.json" "$@"
+    ;;
+  serve)
+    if [ -z "${DRY:-}" ] && ! has_ray; then echo "serve: Ray is not importable" | tee -a "$LOG"; exit 2; fi
+    step serve_check 300 bash bench/gpu_serve_check.sh "$@"
+    ;;
+  pair)
+    step pytest_pair 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "test_invariant_gpu or test_engine_gpu or test_warmup_gpu or test_ddtree_nosync or test_prefill_phase_gpu"
+    step eval_pair 380 python3 bench/eval_pair.py --max-minutes 5.5 --out "$OUT/eval_pair_h200.json" \
+      --plot "$OUT/eval_pair_h200.png" "$@"
+    ;;
+esac
+[ -n "${DRY:-}" ] || tail -c 11000 "$LOG"
+exit $status
