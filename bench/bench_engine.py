@@ -1,4 +1,4 @@
-"""End-to-end engine benchmark (DESIGN.md section 8): AR vs DDTree steps of ModelRunner on a
+"""End-to-end engine benchmark: AR vs DDTree steps of ModelRunner on a
 random Kimi K2.6 tp=8 rank slice, against the bandwidth floor, over batch sizes and budgets.
 
     python bench/bench_engine.py --out engine.json              # CUDA: the full rank slice

@@ -175,8 +175,8 @@ def graph_replay_seconds(runner: ModelRunner, inputs: tuple, reps: int = 5) -> f
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> dict[str, float]:
-    """Device-to-device copy bandwidth, bytes read + written per second (the convention of the
-    ~4.3 TB/s H200 figure in DESIGN.md section 8); the median of `reps` timed copies."""
+    """Device-to-device copy bandwidth, bytes read + written per second (~4.3 TB/s on an H200
+    by this convention); the median of `reps` timed copies."""
     clock = Clock(device)
     src = torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_()
     dst = torch.empty_like(src)

@@ -1,4 +1,5 @@
-"""The engine benchmark's numbers: bandwidth floor (DESIGN.md section 8), JSON entries, table."""
+"""The engine benchmark's numbers: bandwidth floor (bytes a step must read / copy bandwidth),
+JSON entries, table."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ NOTES = [
     "device-to-host copy, bookkeeping), from separate instrumented steps.",
 ]
 
-TP8_COLLECTIVE_S = 12e-6  # DESIGN.md section 8: one all-reduce inside a CUDA graph, 2 H200s
+TP8_COLLECTIVE_S = 12e-6  # one all-reduce inside a CUDA graph, as measured on 2 H200s
 
 
 def stats(xs: list[float]) -> dict[str, float]:

@@ -81,7 +81,7 @@ def test_kimi_k2_config():
     cfg = ModelConfig.from_hf(KIMI_K2)
     assert (cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok) == (64, 384, 8)
     assert cfg.kv_latent_dim == 576 and cfg.weight_prefix == "" and cfg.quant is not None
-    assert cfg.softmax_scale == pytest.approx(0.144680, abs=1e-6)  # DESIGN.md section 5
+    assert cfg.softmax_scale == pytest.approx(0.144680, abs=1e-6)  # YaRN mscale included
     assert cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
 
 

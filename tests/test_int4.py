@@ -19,7 +19,8 @@ from ddserve.model.quant import dequantize_int4, pack_int4, unpack_int4
 
 
 def spec_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """DESIGN.md's formula, element by element: w[r, c] = (nibble(c) - 8) * scale[r, c // 32]."""
+    """The compressed-tensors INT4 formula, element by element: w[r, c] = (nibble(c) - 8) *
+    scale[r, c // 32]."""
     c = torch.arange(packed.shape[1] * 8)
     words = packed.to(torch.int64)[:, c // 8] & 0xFFFFFFFF  # [R, C] unsigned view
     q = ((words >> (4 * (c % 8))) & 0xF) - 8

@@ -1,4 +1,4 @@
-"""Acceptance walk (DESIGN.md section 4.4): follow the target's token from the root down the tree.
+"""Acceptance walk: follow the target's token from the root down the tree.
 
 At every verify row the target has chosen a token (argmax, or an exact sample). Starting at the
 root, move into the child whose draft token equals the current row's target token while one exists.

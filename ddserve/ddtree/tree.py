@@ -1,4 +1,4 @@
-"""Batched best-first draft-tree builder (DDTree, DESIGN.md section 4.2).
+"""Batched best-first draft-tree builder (DDTree).
 
 The paper's builder pops a max-heap on the summed draft log-prob of a path, seeded with
 (depth 1, rank 0); each pop adds a node and pushes its next sibling and its first child. Because a

@@ -2,8 +2,7 @@
 
 A bigger tree commits more tokens per step but makes the step dearer (more distinct experts to
 stream, more attention rows); where the balance lies depends on the drafter's acceptance on the
-live traffic and on the step cost at that batch size, so it is measured, not assumed
-(DESIGN.md section 8). Any budget is lossless, so switching changes speed only, never outputs.
+live traffic and on the step cost at that batch size, so it is measured, not assumed. Any budget is lossless, so switching changes speed only, never outputs.
 
 Budget 0 is the empty tree: the step verifies the root alone, i.e. plain autoregressive decoding
 with no draft (`ModelRunner.ddtree_step(sids, 0)`). It is a candidate unless `plain=False`, so
@@ -12,7 +11,7 @@ settles on plain decoding by measurement: speculation is never slower than plain
 more than what exploring costs, at most 1 / (4 explore_every) of the best rate (see `choose`).
 
 Acceptance is noisy step to step, so one step at a budget says little; but the best-first tree
-of b nodes is the first b nodes of any bigger tree (DESIGN.md section 4.2), so one step at
+of b nodes is the first b nodes of any bigger tree (`ddtree/tree.py`), so one step at
 budget B also says what every b <= B would have committed (`tokens_at_budgets`): the walk stops
 at the first accepted node beyond row b. The tuner keeps acceptance and step time apart. It
 estimates a candidate's acceptance as the next smaller one's plus the gain between the two,
