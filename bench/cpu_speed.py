@@ -41,7 +41,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# held-out-style function headers: the brief's, then bench/heldout_prompts.json's first ones
+# held-out-style function headers: the README's example prompt, then (--heldout) the first ones of
+# bench/heldout_prompts.json
 DEFAULT_PROMPTS = ["def read_lines(path):"]
 
 

@@ -1,4 +1,4 @@
-"""Training the embedded default pair (issue 13): corpus, tokenizer, target, export.
+"""Training the embedded default pair: corpus, tokenizer, target, export.
 
 Each stage is a command (`python -m ddserve.train.<stage>`); `README.md` here lists them and the
 exact device commands. The modules a device run imports (`shapes`, `data`, `target_model`,
