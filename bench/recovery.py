@@ -2,16 +2,18 @@
 `ddserve serve` on this machine (real Ray, real HTTP on 127.0.0.1).
 
     python bench/recovery.py --out recovery.json      # starts `ddserve serve` (CPU default, tp=2)
-    python bench/recovery.py --url http://127.0.0.1:8000 --ray-address 127.0.0.1:6379 --kill shard
+    python bench/recovery.py --url http://127.0.0.1:8000 --server-pid 4242 --kill shard
 
 Each kill (in --kill's order, --rounds times) opens a stream and reads its first text, sends
-SIGKILL to the process (the router's, or shard rank --rank's; found through the replica's named
-router actor), then records:
+SIGKILL to a process of the server's local Ray (the Router actor's, or one ShardWorker's: the
+processes under `ddserve serve` titled ray::Router / ray::ShardWorker), then records:
 - in_flight: how the open stream ended (`error`: an SSE error event; `done`: it finished;
   `cut`: the connection closed without either) and when, in seconds after the kill;
 - probes: a small completion every --probe-interval s, each limited to --probe-timeout s, until
   one succeeds: its status (0: no answer in time, a hang), answer time and Retry-After;
-- first_success_s: from the kill to the first 200.
+- first_success_s: from the kill to the first 200;
+- after: the Router and ShardWorker processes once it serves again (a clean rebuild leaves 1
+  Router and tp shards; the killed group's survivors are gone).
 Before each kill it waits until a probe succeeds, so the rounds are independent.
 """
 
@@ -38,12 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", help="a running server (default: start `ddserve serve` here)")
-    ap.add_argument("--ray-address", help="its Ray GCS address (needed with --url)")
+    ap.add_argument("--server-pid", type=int,
+                    help="with --url: the pid of its `ddserve serve` (its local Ray's actors)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra `ddserve serve` argument when the script starts it (repeatable)")
     ap.add_argument("--kill", action="append", choices=["shard", "router"],
                     help="what to kill, in order (repeatable; default: shard, then router)")
-    ap.add_argument("--rank", type=int, default=1, help="the shard rank killed")
     ap.add_argument("--rounds", type=int, default=1, help="times the --kill sequence runs")
     ap.add_argument("--probe-interval", type=float, default=0.25)
     ap.add_argument("--probe-timeout", type=float, default=5.0)
@@ -58,26 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if args.url is None:
         server = start_server(args.serve_arg)
-        url, gcs = server.url, server.gcs
-    elif args.ray_address is None:
-        raise SystemExit("--url needs --ray-address (to find the actors to kill)")
+        url, pid = server.url, server.proc.pid
+    elif args.server_pid is None:
+        raise SystemExit("--url needs --server-pid (to find the processes to kill)")
     else:
-        url, gcs = args.url.rstrip("/"), args.ray_address
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the server's Ray
-    ray.init(address=gcs, logging_level="ERROR")
+        url, pid = args.url.rstrip("/"), args.server_pid
     results = []
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         for _ in range(args.rounds):
             for what in args.kill or ["shard", "router"]:
-                r = measure_kill(url, model, what, rank=args.rank, interval=args.probe_interval,
+                r = measure_kill(url, model, what, pid, interval=args.probe_interval,
                                  timeout=args.probe_timeout, max_wait=args.max_wait)  # fmt: skip
                 results.append(r)
                 print(json.dumps(summary(r)), flush=True)
     finally:
-        ray.shutdown()
         if server is not None:
             server.stop()
             if args.server_log:
@@ -101,18 +98,19 @@ def summary(r: dict) -> dict:
         "probe_statuses": codes,
         "slowest_answer_s": max(answered, default=None),
         "retry_after": sorted({p["retry_after"] for p in r["probes"] if p["retry_after"]}),
+        "after": r["after"],
     }
 
 
 # ---- one kill --------------------------------------------------------------------------------
-def measure_kill(url: str, model: str, what: str, rank: int = 1, interval: float = 0.25,
+def measure_kill(url: str, model: str, what: str, server_pid: int, interval: float = 0.25,
                  timeout: float = 5.0, max_wait: float = 300.0) -> dict:  # fmt: skip
-    """Kill the router or a shard under an open stream; probe until the first success. Needs
-    `ray.init` to the server's cluster in this process."""
+    """Kill the router or a shard of the server whose `ddserve serve` process is `server_pid`,
+    under an open stream; probe until the first success."""
     wait_serving(url, model, max_wait)
     stream = OpenStream(url, model)
     stream.first_text.wait(120)
-    pid = target_pid(what, rank)
+    pid = actor_pids(server_pid, "Router" if what == "router" else "ShardWorker")[-1]
     os.kill(pid, signal.SIGKILL)
     t_kill = time.monotonic()
     probes, first_success = [], None
@@ -127,36 +125,57 @@ def measure_kill(url: str, model: str, what: str, rank: int = 1, interval: float
     stream.done.wait(30)
     end = None if stream.ended is None else round(stream.ended - t_kill, 3)
     return {"kill": what, "pid": pid, "in_flight": {"end": stream.how, "after_s": end},
-            "first_success_s": first_success, "probes": probes}  # fmt: skip
+            "first_success_s": first_success, "probes": probes,
+            "after": live_actors(server_pid)}  # fmt: skip
 
 
-def target_pid(what: str, rank: int) -> int:
-    router = live_router()
-    if what == "router":
-        return ray_get(router.pid.remote())
-    shards = ray_get(router.shards.remote())
-    return ray_get(shards[rank].pid.remote())
+def live_actors(server_pid: int, settle_s: float = 10.0) -> dict:
+    """The Router and ShardWorker processes under `server_pid` (a killed group's survivors may
+    take a moment to go: waits up to `settle_s` for the counts to stop changing)."""
+
+    def now() -> dict:
+        return {"routers": len(actor_pids(server_pid, "Router")),
+                "shards": len(actor_pids(server_pid, "ShardWorker"))}  # fmt: skip
+
+    deadline, seen = time.monotonic() + settle_s, now()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        seen, last = now(), seen
+        if seen == last:
+            break
+    return seen
 
 
-def live_router():
-    """The replica's router actor that answers (a dead one's name may linger a moment)."""
-    import ray
-
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["name"].startswith("ddserve-router"):
-            try:
-                handle = ray.get_actor(a["name"], namespace=a["namespace"])
-                ray_get(handle.pid.remote())
-                return handle
-            except Exception:  # noqa: BLE001 - dead or going: try the next
-                continue
-    raise RuntimeError("no live ddserve-router actor")
+def actor_pids(server_pid: int, actor_class: str) -> list[int]:
+    """Live processes under `server_pid` titled `ray::<actor_class>` (Ray names an actor's
+    worker process after its class), ascending."""
+    title = f"ray::{actor_class}"  # then `.<method>` while it runs one
+    return sorted(p for p, arg0 in descendants(server_pid).items() if arg0.split(".")[0] == title)
 
 
-def ray_get(ref, timeout: float = 10.0):
-    import ray
-
-    return ray.get(ref, timeout=timeout)
+def descendants(root: int) -> dict[int, str]:
+    """pid -> first command-line word (a Ray worker's title) of every live (not zombie)
+    process under `root`."""
+    children: dict[int, list[int]] = {}
+    argv: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            arg0 = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+            argv[int(entry)] = arg0.decode(errors="replace")
+    out, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out[child] = argv[child]
+            todo.append(child)
+    return out
 
 
 def probe(url: str, model: str, timeout: float) -> dict:

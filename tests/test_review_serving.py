@@ -155,3 +155,24 @@ def test_max_queue_zero_is_refused_rather_than_answering_every_request_429() -> 
 def test_bad_buckets_or_budgets_fail_at_config_time_not_at_the_first_step(kw: dict) -> None:
     with pytest.raises(ValueError):
         RouterConfig(ShardSpec("m", budget=16), max_streams=8, **kw)
+
+
+def test_serve_config_http_limits_default_to_http_limits_own() -> None:
+    from ddserve.serve.app import HttpLimits
+
+    assert ServeConfig().http_limits() == HttpLimits()
+    cfg = ServeConfig.model_validate({"max_body_bytes": 1000, "max_prompt_tokens": 50})
+    assert cfg.http_limits() == HttpLimits(1000, HttpLimits().max_prompt_chars, 50)
+
+
+def test_api_key_is_read_from_the_named_variable_and_an_unset_one_fails_without_a_value(
+    monkeypatch,
+) -> None:
+    assert ServeConfig().api_key() is None  # no variable named: no key
+    cfg = ServeConfig.model_validate({"api_key_env": "DDSERVE_TEST_KEY"})
+    monkeypatch.setenv("DDSERVE_TEST_KEY", "")
+    with pytest.raises(ValueError, match="DDSERVE_TEST_KEY is unset or empty") as e:
+        cfg.api_key()
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("DDSERVE_TEST_KEY", "k-123")
+    assert cfg.api_key() == "k-123"

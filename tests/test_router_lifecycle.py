@@ -1,11 +1,13 @@
 """A Router that cannot start fails with its cause in one line and leaves nothing reserved: no
 placement group, no shard, no CPU or GPU held (a failed replica's retries used to pile up
-placement groups until nothing could be placed)."""
+placement groups until nothing could be placed); a group rebuilt after a shard died leaves only
+the new group behind."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
 from ddserve.actors.startup import StartupError
+from ddserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -84,4 +87,38 @@ def test_warmup_runs_every_batch_size_and_leaves_no_stream(ray_one_cpu, model_di
         assert stats["kv_slots_used"] == stats["active_streams"] == stats["steps_total"] == 0
     finally:
         asyncio.run(group.release())
+    assert _released()
+
+
+def test_a_group_rebuilt_after_a_shard_is_killed_leaves_only_the_new_one(ray_one_cpu, model_dir):
+    """kill -9 of a shard of an idle group: the heartbeat finds it, the supervisor releases the
+    old router, shards and placement group and starts new ones, which serve."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from ddserve.actors.remote import start_router
+    from ddserve.actors.supervisor import RebuildPolicy, SupervisedEngine
+
+    cfg = _config(model_dir, tp=2, warmup=False)
+
+    async def main() -> None:
+        engine = SupervisedEngine(lambda _: start_router(cfg), RebuildPolicy(attempts=1))
+        await engine.start()
+        old = engine.group
+        os.kill(await old.shards[1].pid.remote(), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while engine.rebuilds == 0:
+            assert engine.state != "failed" and time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        for actor in (old.router, *old.shards):
+            with pytest.raises(RayActorError):
+                await actor.__ray_ready__.remote()
+        live = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        assert len(live) == 1
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        toks = [t async for d in engine.generate("r", [256, 65], params) for t in d.token_ids]
+        assert len(toks) == 4
+        await engine.close()
+
+    asyncio.run(main())
     assert _released()

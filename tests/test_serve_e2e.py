@@ -3,7 +3,8 @@ on 127.0.0.1, driven by the unmodified `openai` client and raw HTTP.
 
 The server starts once for the module (~30-40 s on 2 cores). Expected text comes from
 ModelRunner's plain autoregressive greedy decoding in this process (tp=1, float32: the server's
-CPU dtype), not from the serving code. The dead-shard test runs last: it breaks the server.
+CPU dtype), not from the serving code. The dead-shard test runs last: it kills a shard (the
+replica rebuilds its tensor-parallel group).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def server():
         if not ready.wait(STARTUP_S):
             pytest.fail("server did not start:\n" + "".join(lines[-40:]))
         gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
-        yield f"http://127.0.0.1:{port}", gcs
+        yield f"http://127.0.0.1:{port}", gcs, proc.pid
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -334,34 +335,52 @@ def test_load_test_against_the_embedded_server(url: str, tmp_path) -> None:
     assert run["server"]["accepted_tokens_per_step"] >= 1.0
 
 
-def test_dead_shard_fails_in_flight_requests_promptly(server, client, model_name) -> None:
-    """Last: kills a shard. The open stream must end with a clear error, not hang."""
-    import ray
+def test_a_burst_of_max_streams_plus_max_queue_is_admitted_and_one_more_gets_429(url, model_name):
+    """Into an idle server: 10 streams decode and 64 wait (the defaults) without a 429, though
+    waiting requests move into free stream slots only between steps; request 75 is refused."""
+    held = 10 + 64
+    body = {"model": model_name, "prompt": "Burst", "max_tokens": 1500, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
 
-    url, gcs = server
-    ray.init(address=gcs, logging_level="ERROR")
-    try:
-        name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("ddserve-router"))  # fmt: skip
-        router = ray.get_actor(name, namespace="ddserve")
-        shards = ray.get(router.shards.remote())
-        stream = client.completions.create(
-            model=model_name,
-            prompt="doomed",
-            max_tokens=1500,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        ray.kill(shards[1])
-        t0 = time.time()
-        with pytest.raises(openai.APIError, match="shard"):
-            for _ in stream:
-                pass
-        assert time.time() - t0 < 10
-    finally:
-        ray.shutdown()
-    r = httpx.get(f"{url}/health")
-    _err(r, 503, "shard")
-    r = httpx.post(f"{url}/v1/completions", json={"model": model_name, "prompt": "x"})
-    _err(r, 503, "shard")
+    async def run_all() -> tuple[list[int], httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as c:
+            streams = [c.stream("POST", f"{url}/v1/completions", json=body) for _ in range(held)]
+            opened = await asyncio.gather(*[s.__aenter__() for s in streams])
+            try:  # every one is admitted (its headers came after the ack) and none can finish yet
+                extra = await c.post(f"{url}/v1/completions", json={**body, "stream": False})
+            finally:
+                for s in streams:
+                    await s.__aexit__(None, None, None)
+            return [r.status_code for r in opened], extra
+
+    codes, extra = asyncio.run(run_all())
+    assert codes == [200] * held
+    assert extra.status_code == 429 and int(extra.headers["retry-after"]) >= 1
+    m = _wait_idle(url)
+    assert m["ddserve_active_streams"] == 0 and m["ddserve_queue_depth"] == 0
+
+
+RECOVERY_S = 90  # the CPU default on the 2-core CI machine: ~13 s measured (bench/recovery.py)
+
+
+def test_a_killed_shard_is_rebuilt_while_clients_get_fast_503s(server, model_name) -> None:
+    """Last: kill -9 of shard rank 1 under an open stream. The stream ends with an SSE error at
+    once; new requests get 503 + Retry-After, each answered fast (none hangs), until the replica
+    has rebuilt its tensor-parallel group; the old router and shards are gone."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from recovery import measure_kill
+
+    url, _, pid = server
+    r = measure_kill(url, model_name, "shard", pid, interval=0.2, timeout=5.0, max_wait=RECOVERY_S)
+    assert r["in_flight"]["end"] == "error" and r["in_flight"]["after_s"] < 2.0, r["in_flight"]
+    failed = [p for p in r["probes"] if p["status"] != 200]
+    assert failed, "no request saw the rebuild"  # a rebuild reloads the weights: seconds
+    assert {p["status"] for p in failed} == {503}, failed  # 0 would be a hang (no answer in 5 s)
+    assert all(int(p["retry_after"]) >= 1 for p in failed)
+    answers = sorted(p["answer_s"] for p in failed)
+    assert answers[-1] < 2.0 and answers[len(answers) // 2] < 0.5, answers
+    assert r["first_success_s"] is not None and r["first_success_s"] < RECOVERY_S
+    assert r["after"] == {"routers": 1, "shards": 2}
+    assert httpx.get(f"{url}/health").status_code == 200
+    m = _metrics(url)
+    assert m["ddserve_healthy"] == 1 and m["ddserve_engine_rebuilds_total"] == 1

@@ -9,9 +9,10 @@ the next step, so a burst into an idle router fills the slots before it fills th
 A dedicated thread runs the step loop: each iteration sends one Command to every shard (cancel
 aborted streams, admit queued ones, one prefill chunk, one decode step over the prefilled
 streams) and hands each stream's new tokens to its request's asyncio queue on the actor's event
-loop. A failing shard marks the router dead: in-flight and queued requests fail with EngineDead
-at once, and so does every later request; `wait_failed` returns then (the replica's supervisor
-waits on it to rebuild the tensor-parallel group, supervisor.py).
+loop; idle, it sends an empty command every HEARTBEAT_S, so a dead shard is found without
+traffic. A failing shard marks the router dead: in-flight and queued requests fail with
+EngineDead at once, and so does every later request; `wait_failed` returns then (the replica's
+supervisor waits on it to rebuild the tensor-parallel group, supervisor.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from ddserve.actors.warmup import run_warmup, warmup_plan
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # an idle step loop sends every shard an empty command this often
 
 
 @dataclass(frozen=True)
@@ -263,9 +266,10 @@ class Router:
         while not self._stopping:
             cmd = self._next_command()
             if cmd is None:
-                self._s.wake.wait(timeout=1.0)
-                self._s.wake.clear()
-                continue
+                if self._s.wake.wait(timeout=HEARTBEAT_S):
+                    self._s.wake.clear()
+                    continue
+                cmd = Command()  # idle: an empty command finds a dead shard before a request does
             t0 = time.perf_counter()
             try:
                 res = self._group.run(cmd)

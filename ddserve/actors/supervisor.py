@@ -65,6 +65,11 @@ class SupervisedEngine(EngineClient):
         self.rebuilds = 0
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def group(self) -> Group | None:
+        """The serving group (None while rebuilding or failed)."""
+        return self._group
+
     async def start(self) -> dict:
         """The first group; its failure is the replica's (raised)."""
         group = await self._start_group(timeout=None)

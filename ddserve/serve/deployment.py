@@ -11,6 +11,7 @@ replaces it.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,10 @@ from ddserve.actors.budget import default_candidates
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
 from ddserve.serve import preflight
+from ddserve.serve.app import HttpLimits
 
 log = logging.getLogger(__name__)
+_HTTP = HttpLimits()  # its defaults are ServeConfig's
 
 
 class ServeConfig(BaseModel):
@@ -69,6 +72,14 @@ class ServeConfig(BaseModel):
     # starts tried after a shard or the router died, with back-off, before the replica reports
     # unhealthy and Serve replaces it; 0: no rebuild (the replica is replaced at once)
     rebuild_attempts: int = Field(3, ge=0)
+    # per-request limits checked before tokenization (HttpLimits in app.py says what each does)
+    max_body_bytes: int = Field(_HTTP.max_body_bytes, ge=1)
+    max_prompt_chars: int = Field(_HTTP.max_prompt_chars, ge=1)
+    max_prompt_tokens: int | None = Field(_HTTP.max_prompt_tokens, ge=1)
+    # the NAME of an environment variable holding the API key clients must send as
+    # `Authorization: Bearer <key>`; None: no key. A replica whose variable is unset or empty
+    # fails to start.
+    api_key_env: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
@@ -85,6 +96,20 @@ class ServeConfig(BaseModel):
         if max([self.budget, *fixed]) + 1 >= self.num_slots:
             raise ValueError(f"num_slots {self.num_slots} leaves no room beside the tree budget")
         return self
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.max_body_bytes, self.max_prompt_chars, self.max_prompt_tokens)
+
+    def api_key(self) -> str | None:
+        """The key `api_key_env` names, read from this process's environment (None: no key).
+        Raises ValueError (one line, naming the variable, never a value) if unset or empty."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env, "")
+        if not key:
+            raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is "
+                             "unset or empty on the replica")  # fmt: skip
+        return key
 
     def graphs_on(self, device: str, dtype: str) -> bool:
         """`cuda_graphs`, or by default: on where graphs work (CUDA, 16-bit compute)."""
@@ -199,6 +224,7 @@ class OpenAIServer:
         from ddserve.tokenizer import Tokenizer
 
         serve_cfg = ServeConfig.model_validate(config)
+        self._limits, self._api_key = serve_cfg.http_limits(), serve_cfg.api_key()
         # again: `serve run module:build_app` calls the builder before it connects to Ray
         serve_cfg.preflight(preflight.node_shapes())
         cfg, name = serve_cfg.resolve()
@@ -227,7 +253,7 @@ class OpenAIServer:
     def __serve_build_asgi_app__(self) -> Any:
         from ddserve.serve.app import create_app
 
-        return create_app(self._engine, self._model)
+        return create_app(self._engine, self._model, limits=self._limits, api_key=self._api_key)
 
     async def check_health(self) -> None:
         await self._engine.check_health()  # a rebuild under way is healthy: see its docstring

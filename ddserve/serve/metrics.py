@@ -111,8 +111,14 @@ def families(http: HttpCounters, engine: dict) -> list[Family]:
         one(
             "ddserve_healthy",
             "gauge",
-            "1 while every shard is alive.",
+            "1 while the engine serves (0 while its tensor-parallel group is being rebuilt).",
             1 if engine.get("healthy", True) else 0,
+        ),
+        one(
+            "ddserve_engine_rebuilds",
+            "counter",
+            "Times the replica rebuilt its tensor-parallel group after a shard or router died.",
+            engine.get("rebuilds_total", 0),
         ),
     ]
     budgets = engine.get("bucket_budgets") or {}
