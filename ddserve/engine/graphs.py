@@ -6,7 +6,8 @@ block Q, prefix capacity P): B is the batch padded to a bucket, Q = budget + 1 (
 power of two >= the longest prefix. Inputs are copied into static buffers before `replay()`;
 the outputs are static tensors, valid until the next replay. Padding blocks write their latents
 to scratch slots reserved at start-up and see only themselves. Only the target forward is
-captured; draft, tree build, sampling and acceptance stay eager (they are ~2% of a step).
+captured; draft, tree build, sampling and acceptance stay eager (8-13% of a K2.6 rank DDTree
+step, BENCHMARKS.md).
 
 Status: `EngineConfig.cuda_graphs` defaults to False (the engine alone runs eagerly); the
 serving config (`ServeConfig`) turns it on by default on CUDA with 16-bit dtypes, so
