@@ -22,7 +22,12 @@ from ddserve.serve.protocol import (
     CompletionResponse,
     Usage,
 )
-from ddserve.serve.requests import ApiError, prepare_chat, prepare_completion
+from ddserve.serve.requests import (
+    CHAT_DEFAULT_MAX_TOKENS,
+    ApiError,
+    prepare_chat,
+    prepare_completion,
+)
 
 
 def test_extra_fields_are_accepted_and_kept() -> None:
@@ -147,14 +152,23 @@ def test_prepare_completion_maps_sampling_fields() -> None:
     assert params.stop_token_ids == (5,) and params.ignore_eos
 
 
-def test_default_max_tokens_is_16_for_completions_and_the_rest_of_context_for_chat() -> None:
+def test_completions_default_to_16_tokens_within_the_context() -> None:
     _, params, _ = prepare_completion(CompletionRequest(prompt="hey"), "m", ByteTok(), 100)
     assert params.max_tokens == 16
     _, params, _ = prepare_completion(CompletionRequest(prompt="hey"), "m", ByteTok(), 10)
     assert params.max_tokens == 7
+
+
+def test_chat_defaults_to_the_rest_of_the_context_capped_at_4096_tokens() -> None:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     ids, params, _ = prepare_chat(req, "m", ByteTok(), 100)
-    assert len(ids) + params.max_tokens == 100
+    assert len(ids) + params.max_tokens == 100  # a short context: the rest of it
+    ids, params, _ = prepare_chat(req, "m", ByteTok(), 3 * CHAT_DEFAULT_MAX_TOKENS)
+    assert params.max_tokens == CHAT_DEFAULT_MAX_TOKENS  # a long one: the cap
+    assert len(ids) + CHAT_DEFAULT_MAX_TOKENS < 3 * CHAT_DEFAULT_MAX_TOKENS
+    explicit = ChatCompletionRequest(messages=req.messages, max_tokens=5000)
+    _, params, _ = prepare_chat(explicit, "m", ByteTok(), 3 * CHAT_DEFAULT_MAX_TOKENS)
+    assert params.max_tokens == 5000  # the cap applies to the default only
 
 
 def test_single_prompt_in_a_list_is_accepted() -> None:
