@@ -56,7 +56,8 @@ def _serve(sub: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/models, /health and /metrics. With no --model, serves the "
         "embedded ddserve-code-21m and its drafter (tp=2 on CPU so the distributed path runs). "
         "The deployment is checked first (paths, tp, resources): an impossible one exits with "
-        "status 2 and its cause. Ctrl-C or SIGTERM stops the server and the Ray it started.",
+        "status 2 and its cause. Ctrl-C or SIGTERM stops the server and the Ray it started. "
+        "The local Ray listens on 127.0.0.1 only; only --host:--port is meant to be reached.",
     )
     p.add_argument("--model", default=None,
                    help="checkpoint dir (default: the embedded ddserve-code-21m)")  # fmt: skip
@@ -66,8 +67,13 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=None,
                    help="TP ranks (default: 2 on CPU, every GPU of one node); must shard the model "
                    "(heads, vocabulary, expert widths in whole INT4 groups)")  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP address (default 127.0.0.1: this machine only; 0.0.0.0 serves "
+                   "every interface: set --api-key, put a TLS proxy in front)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (/health stays open; default: "
+                   "$DDSERVE_API_KEY, which keeps the key out of the process list)")  # fmt: skip
     p.add_argument("--max-streams", type=int, default=None, help="concurrent streams (default 10)")
     p.add_argument("--budget", type=int, default=None, help="DDTree nodes per stream per step (16)")
     p.add_argument("--buckets", type=_ints, default=None,

@@ -10,7 +10,6 @@ Router hands it to every rank (`setup`), which then build their comm and load th
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -72,12 +71,15 @@ class ShardWorker:
     def __init__(self, rank: int, spec: ShardSpec) -> None:
         self.rank, self.spec = rank, spec
         self.runner = None
+        self._listener = None  # rank 0 on CPU: the gloo rendezvous socket, for `setup`
 
     def pid(self) -> int:
         return os.getpid()
 
     def make_comm_id(self) -> str | bytes:
-        """Rank 0 only: the rendezvous every rank passes to `setup`."""
+        """Rank 0 only: the rendezvous every rank passes to `setup`. On CPU a gloo address on
+        this node's cluster address (loopback for the local Ray of `ddserve serve`), already
+        listening, never on every interface."""
         if self.spec.world_size == 1:
             return ""
         if self.spec.device.startswith("cuda"):
@@ -86,10 +88,10 @@ class ShardWorker:
             return NcclComm.make_unique_id()
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        from ddserve.engine.comm import gloo_listener
+
+        self._listener, init = gloo_listener(ray.util.get_node_ip_address())
+        return init
 
     def setup(self, comm_id: str | bytes) -> dict:
         """Build the communicator (all ranks call this concurrently) and load the model."""
@@ -103,7 +105,7 @@ class ShardWorker:
         elif isinstance(comm_id, bytes):
             comm = NcclComm(self.rank, s.world_size, comm_id)
         else:
-            comm = GlooComm(self.rank, s.world_size, comm_id)
+            comm = GlooComm(self.rank, s.world_size, comm_id, self._listener)
         cfg = EngineConfig(
             s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed, max_streams=s.max_streams,
             cuda_graphs=s.cuda_graphs, graph_buckets=s.graph_buckets,

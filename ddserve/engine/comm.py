@@ -7,7 +7,10 @@ never sees ranks.
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
+from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 
@@ -65,14 +68,40 @@ class LocalComm(Communicator):
         pass
 
 
+def gloo_listener(host: str) -> tuple[socket.socket, str]:
+    """A socket listening on `host` at a port the kernel picks, and the `init_method` naming it:
+    rank 0 passes both to GlooComm, the other ranks the `init_method` only."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family)
+    netloc = f"[{host}]" if family == socket.AF_INET6 else host
+    return sock, f"tcp://{netloc}:{sock.getsockname()[1]}"
+
+
 class GlooComm(Communicator):
-    """torch.distributed with the gloo backend (CPU tensors); one process per rank."""
+    """gloo over TCP on CPU tensors; one process per rank, every rank on the host named by
+    `init_method` ("tcp://HOST:PORT"). Everything it opens listens on HOST only: rank 0's
+    rendezvous store on `listener` (from `gloo_listener`; else it binds HOST:PORT itself), and
+    each rank's gloo connections. torch's own `tcp://` rendezvous would listen on every
+    interface, and gloo's on the address the machine's hostname resolves to."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str) -> None:
-        import torch.distributed as dist
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, listener: socket.socket | None = None
+    ) -> None:
+        from torch.distributed import ProcessGroupGloo, TCPStore
 
-        self._dist = dist
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        url = urlsplit(init_method)
+        host, port = url.hostname, url.port
+        fd = None
+        if rank == 0:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = listener or socket.create_server((host, port), family=family)
+            fd = listener.detach()  # the store's server owns (and closes) it from here
+        timeout = timedelta(minutes=30)  # torch.distributed's default for gloo
+        self._store = TCPStore(host, port, world_size, rank == 0, timeout, master_listen_fd=fd)
+        opts = ProcessGroupGloo._Options()
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = timeout
+        self._pg = ProcessGroupGloo(self._store, rank, world_size, opts)
         self.rank, self.world_size = rank, world_size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -80,26 +109,27 @@ class GlooComm(Communicator):
             buf = t.float()
         else:
             buf = t if t.is_contiguous() else t.contiguous()
-        self._dist.all_reduce(buf)
+        self._pg.allreduce([buf]).wait()
         return t if buf is t else t.copy_(buf)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._dist.all_gather(parts, t)
+        self._pg.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         buf = t if t.is_contiguous() else t.contiguous()
-        self._dist.broadcast(buf, src=src)
+        self._pg.broadcast(buf, src).wait()
         return t if buf is t else t.copy_(buf)
 
     def barrier(self) -> None:
-        self._dist.barrier()
+        self._pg.barrier().wait()
 
     def close(self) -> None:
-        if self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        if self._pg is not None:
+            self._pg.shutdown()
+            self._pg = self._store = None
 
 
 _NCCL_UNIQUE_ID_BYTES = 128

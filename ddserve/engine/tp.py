@@ -11,25 +11,26 @@ import socket
 import traceback
 from typing import Any
 
-from ddserve.engine.comm import Communicator, GlooComm
+from ddserve.engine.comm import Communicator, GlooComm, gloo_listener
 from ddserve.engine.runner import default_device
 from ddserve.kvcache import OutOfSlots
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _is_cuda(runner_kwargs: dict) -> bool:
     return str(runner_kwargs.get("device") or default_device()).startswith("cuda")
 
 
-def _connect(rank: int, world: int, init: str | bytes, runner_kwargs: dict) -> Communicator:
-    """This rank's communicator; on GPUs it also pins the rank to cuda:rank."""
+def _connect(
+    rank: int,
+    world: int,
+    init: str | bytes,
+    runner_kwargs: dict,
+    listener: socket.socket | None = None,
+) -> Communicator:
+    """This rank's communicator; on GPUs it also pins the rank to cuda:rank. `listener`: rank
+    0's gloo rendezvous socket."""
     if isinstance(init, bytes):
         import torch
 
@@ -38,7 +39,7 @@ def _connect(rank: int, world: int, init: str | bytes, runner_kwargs: dict) -> C
         torch.cuda.set_device(rank)
         runner_kwargs["device"] = f"cuda:{rank}"
         return NcclComm(rank, world, init)
-    return GlooComm(rank, world, init)
+    return GlooComm(rank, world, init, listener)
 
 
 def _worker(rank: int, world: int, init: str | bytes, runner_kwargs: dict, inbox: Any) -> None:
@@ -77,8 +78,9 @@ class TPGroup:
             if tp > torch.cuda.device_count():  # a worker without a GPU leaves rank 0 in NCCL init
                 raise ValueError(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
             init: str | bytes = NcclComm.make_unique_id()
-        else:
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            listener = None
+        else:  # gloo between processes of this host: loopback only
+            listener, init = gloo_listener("127.0.0.1")
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(1, tp)]
         self._procs = [
@@ -88,7 +90,7 @@ class TPGroup:
         for p in self._procs:
             p.start()
         runner_kwargs = dict(runner_kwargs)
-        self.comm: Communicator = _connect(0, tp, init, runner_kwargs)
+        self.comm: Communicator = _connect(0, tp, init, runner_kwargs, listener)
         self.runner = ModelRunner(comm=self.comm, **runner_kwargs)
 
     def call(self, name: str, *args: Any) -> Any:

@@ -6,7 +6,14 @@ the app with Serve, serve until Ctrl-C or SIGTERM, then stop what it started.
   starts; a replica that still fails to start exits 1 with its root cause in one line.
 - Without --address, Ray is a new local instance (`address="local"`: never a cluster found
   on the machine) that dies with this process: `ray.shutdown()` on a normal exit, and a
-  reaper process (reaper.py) for whatever is left when this process is killed.
+  reaper process (reaper.py) for whatever is left when this process is killed. It is a
+  single-node Ray on 127.0.0.1: its GCS, raylet, object manager, agents and workers listen on
+  loopback only (checked after start-up), and Ray's own token authentication stays as Ray
+  defaults it. Only the HTTP port (--host, default 127.0.0.1) is meant to be reached.
+- --api-key (or $DDSERVE_API_KEY) reaches the replica as the environment variable
+  DDSERVE_API_KEY, and the Serve config carries only that name (`api_key_env`), so the key
+  is in no config, argument list or log Ray keeps. A local Ray's processes inherit this
+  process's environment; with --address the key travels in the job's runtime_env env_vars.
 - SIGINT and SIGTERM raise KeyboardInterrupt wherever the main thread is: a stop while
   serving exits 0, one during start-up exits 130; a second one during the stop kills the
   local Ray at once.
@@ -14,6 +21,7 @@ the app with Serve, serve until Ctrl-C or SIGTERM, then stop what it started.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -26,13 +34,21 @@ from typing import Any
 log = logging.getLogger("ddserve.serve")
 
 APP = "ddserve"
+API_KEY_ENV = "DDSERVE_API_KEY"
+LOOPBACK = "127.0.0.1"
+# Ray reads this when it is imported: "0" makes a Linux Ray single-node, on 127.0.0.1 (as on
+# macOS); otherwise ray.init turns a loopback _node_ip_address into the machine's address.
+RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# run by every worker of the job: a Serve replica's gRPC server listens on the node's address
+REPLICA_BIND_HOOK = "ddserve.serve.raybind.bind_replica_grpc"
 LOCAL_PLACEMENT_TIMEOUT_S = 60.0  # a private cluster has its resources at once, or never
 DELETE_TIMEOUT_S = 30.0  # removing the app from a shared cluster (--address)
 INTERRUPTED = 130
 
 
-def config_from_args(args) -> dict:
-    """The `ddserve serve` flags as ServeConfig arguments (unset flags keep the defaults)."""
+def config_from_args(args, api_key: str | None = None) -> dict:
+    """The `ddserve serve` flags as ServeConfig arguments (unset flags keep the defaults).
+    With an `api_key`, only the name of the variable that will hold it goes in."""
     names = ("model", "drafter", "tp", "max_streams", "budget", "buckets", "budgets",
              "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed",
              "batch_invariant", "warmup")  # fmt: skip
@@ -42,29 +58,43 @@ def config_from_args(args) -> dict:
         cfg["cuda_graphs"] = args.cuda_graphs
     if not getattr(args, "address", None):
         cfg["placement_timeout_s"] = LOCAL_PLACEMENT_TIMEOUT_S
+    if api_key:
+        cfg["api_key_env"] = API_KEY_ENV
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+def api_key(args) -> str | None:
+    """--api-key, else $DDSERVE_API_KEY (unset or empty: no key); an empty --api-key is an
+    error rather than an open server."""
+    flag = getattr(args, "api_key", None)
+    if flag is not None and not flag.strip():
+        raise ValueError("--api-key is empty")
+    return flag or os.environ.get(API_KEY_ENV) or None
 
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not args.address:
+        os.environ[RAY_SINGLE_NODE_ENV] = "0"  # before anything imports Ray
     from ddserve.serve import preflight
     from ddserve.serve.deployment import ServeConfig
 
-    config = config_from_args(args)
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
         try:  # before starting Ray: a local one would offer this machine's CPUs and GPUs
+            key = api_key(args)
+            config = config_from_args(args, key)
             nodes = None if args.address else [preflight.local_node()]
             ServeConfig.model_validate(config).preflight(nodes)
         except ValueError as e:
             return error(e)
-        return _run(args, config)
+        return _run(args, config, key)
     except KeyboardInterrupt:
         print("ddserve: interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED
 
 
-def _run(args, config: dict[str, Any]) -> int:
+def _run(args, config: dict[str, Any], key: str | None) -> int:
     import ray
     from ray import serve
 
@@ -72,7 +102,10 @@ def _run(args, config: dict[str, Any]) -> int:
 
     local = not args.address
     try:
-        _start_ray(args.address)
+        try:
+            _start_ray(args.address, key)
+        except RuntimeError as e:  # a local Ray not on loopback
+            return error(e)
         try:
             app = build_app(config)
         except ValueError as e:
@@ -85,8 +118,10 @@ def _run(args, config: dict[str, Any]) -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
             return 1
         gcs = ray.get_runtime_context().gcs_address
+        auth = ", API key required" if key else ""
         print(
-            f"ddserve: serving on http://{args.host}:{args.port}/v1 (Ray at {gcs}); Ctrl-C to stop",
+            f"ddserve: serving on http://{args.host}:{args.port}/v1 (Ray at {gcs}{auth}); "
+            "Ctrl-C to stop",
             flush=True,
         )
         try:
@@ -114,25 +149,36 @@ def one_line_cause(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _start_ray(address: str | None) -> None:
+def _start_ray(address: str | None, key: str | None = None) -> None:
+    """Join `address`, or start the private local Ray on loopback (RuntimeError if its node
+    is on another address: Ray was imported before main() set RAY_SINGLE_NODE_ENV)."""
     import ray
 
+    runtime_env: dict[str, Any] = {"worker_process_setup_hook": REPLICA_BIND_HOOK}
     if address:
-        ray.init(address=address)
+        if key:  # the replica's environment (Ray keeps the job's runtime_env: see operations.md)
+            runtime_env["env_vars"] = {API_KEY_ENV: key}
+        ray.init(address=address, runtime_env=runtime_env)
         return
     from ddserve.serve import reaper
 
     reaper.start()  # before Ray, so it sees every process Ray starts
     os.environ.pop("RAY_ADDRESS", None)  # not for this Ray's processes either
+    if key:
+        os.environ[API_KEY_ENV] = key  # before Ray: its processes inherit this environment
     print("ddserve: starting a private local Ray", file=sys.stderr, flush=True)
     try:  # ray.init installs a SIGTERM handler that raises SystemExit
-        ray.init(address="local", include_dashboard=False)
+        ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK,
+                 runtime_env=runtime_env)  # fmt: skip
     except (KeyboardInterrupt, SystemExit):
         # ray.shutdown() of a half-started Ray can abort: exit now. The GCS and the raylet die
         # with this process; the reaper stops the rest.
         print("ddserve: interrupted while Ray was starting", file=sys.stderr, flush=True)
         os._exit(INTERRUPTED)
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        raise RuntimeError(f"the local Ray started on {node_ip}, not on loopback")
 
 
 def _stop(local: bool) -> None:
