@@ -43,7 +43,7 @@ def ray_router(model_dir, drafter_dir):
     from ddserve.actors.remote import RayEngineClient, start_router
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     spec = ShardSpec(
         str(model_dir),
         world_size=2,
