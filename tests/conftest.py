@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before anything imports Ray: `ddserve serve` keeps its private Ray on 127.0.0.1 with this
+# setting (ddserve.serve.main.RAY_SINGLE_NODE_ENV); a test that attaches to that Ray needs it too,
+# or Ray rewrites 127.0.0.1 to the machine's address, where the GCS does not listen.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from ddserve.model.tiny import make_tiny
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ddserve.model.tiny import make_tiny  # noqa: E402
 
 # Tiny shapes gain nothing from intra-op threads, and on a shared 2-core CI machine extra threads
 # oversubscribe the cores (10x slower measured). An explicit OMP_NUM_THREADS still wins.
