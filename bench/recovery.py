@@ -14,7 +14,9 @@ processes under `ddserve serve` titled ray::Router / ray::ShardWorker), then rec
 - first_success_s: from the kill to the first 200;
 - after: the Router and ShardWorker processes once it serves again (a clean rebuild leaves 1
   Router and tp shards; the killed group's survivors are gone).
-Before each kill it waits until a probe succeeds, so the rounds are independent.
+Before each kill it waits until a probe succeeds, then --pause seconds. A failure less than a
+minute after the replica's last rebuild continues a streak, and a replica gives up after 3
+rebuild attempts in a streak (RebuildPolicy), so more than 3 kills need --pause 60.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kill", action="append", choices=["shard", "router"],
                     help="what to kill, in order (repeatable; default: shard, then router)")
     ap.add_argument("--rounds", type=int, default=1, help="times the --kill sequence runs")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds served before each kill")
     ap.add_argument("--probe-interval", type=float, default=0.25)
     ap.add_argument("--probe-timeout", type=float, default=5.0)
     ap.add_argument("--max-wait", type=float, default=300.0, help="give up on one kill after")
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         for _ in range(args.rounds):
             for what in args.kill or ["shard", "router"]:
+                wait_serving(url, model, args.max_wait)
+                time.sleep(args.pause)
                 r = measure_kill(url, model, what, pid, interval=args.probe_interval,
                                  timeout=args.probe_timeout, max_wait=args.max_wait)  # fmt: skip
                 results.append(r)
@@ -80,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.server_log:
                 args.server_log.write_text("".join(server.lines))
     out = {"machine": platform.node(), "cpus": os.cpu_count(), "url": url,
-           "serve_args": args.serve_arg, "results": results}  # fmt: skip
+           "serve_args": args.serve_arg, "load_avg_1m_end": os.getloadavg()[0],
+           "results": results}  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0 if all(r["first_success_s"] is not None for r in results) else 1
