@@ -42,12 +42,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", help="a running server (default: start `ddserve serve` here)")
-    ap.add_argument("--server-pid", type=int,
-                    help="with --url: the pid of its `ddserve serve` (its local Ray's actors)")
-    ap.add_argument("--serve-arg", action="append", default=[],
-                    help="extra `ddserve serve` argument when the script starts it (repeatable)")
-    ap.add_argument("--kill", action="append", choices=["shard", "router"],
-                    help="what to kill, in order (repeatable; default: shard, then router)")
+    ap.add_argument(
+        "--server-pid",
+        type=int,
+        help="with --url: the pid of its `ddserve serve` (its local Ray's actors)",
+    )
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `ddserve serve` argument when the script starts it (repeatable)",
+    )
+    ap.add_argument(
+        "--kill",
+        action="append",
+        choices=["shard", "router"],
+        help="what to kill, in order (repeatable; default: shard, then router)",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="times the --kill sequence runs")
     ap.add_argument("--pause", type=float, default=0.0, help="seconds served before each kill")
     ap.add_argument("--probe-interval", type=float, default=0.25)
@@ -55,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-wait", type=float, default=300.0, help="give up on one kill after")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--server-log", type=Path, help="write the started server's output here")
-    return ap.parse_args(argv)  # fmt: skip
+    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
