@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kill_probe import measure_kill
 
 pytestmark = pytest.mark.slow
 
@@ -367,9 +368,6 @@ def test_a_killed_shard_is_rebuilt_while_clients_get_fast_503s(server, model_nam
     """Last: kill -9 of shard rank 1 under an open stream. The stream ends with an SSE error at
     once; new requests get 503 + Retry-After, each answered fast (none hangs), until the replica
     has rebuilt its tensor-parallel group; the old router and shards are gone."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from recovery import measure_kill
-
     url, _, pid = server
     r = measure_kill(url, model_name, "shard", pid, interval=0.2, timeout=5.0, max_wait=RECOVERY_S)
     assert r["in_flight"]["end"] == "error" and r["in_flight"]["after_s"] < 2.0, r["in_flight"]
