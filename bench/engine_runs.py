@@ -22,7 +22,7 @@ from engine_probe import (
     stage_marks,
 )
 
-from ddserve.engine.drafter import OracleDrafter
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.sampling import SamplingParams
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from ddserve.ddtree import build_tree, verify_inputs
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import OracleDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.kernels import backend
 from ddserve.kernels.invariant_ref import bmm_heads_ref, linear_ref, rms_norm_ref

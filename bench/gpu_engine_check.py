@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import OracleDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.model.tiny import make_tiny
 from ddserve.sampling import SamplingParams

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddserve.model.quant import QuantConfig, parse_quant_config
+from ddserve.quant_config import QuantConfig, parse_quant_config
 
 # HF DeepseekV3Config defaults for the fields we use.
 _DEFAULTS: dict[str, Any] = dict(

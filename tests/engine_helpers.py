@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddserve.drafter.testing import OracleDrafter, RandomDrafter
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import OracleDrafter, RandomDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.sampling import SamplingParams
 

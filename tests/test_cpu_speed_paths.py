@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ddserve import LLM, SamplingParams
+from ddserve.drafter.testing import RandomDrafter
 from ddserve.engine import threads
 from ddserve.engine.budget import BudgetTuner, tokens_at_budgets
-from ddserve.engine.drafter import RandomDrafter
 from ddserve.kernels.moe_ref import ExpertWeights, moe_ref
 from ddserve.model import moe as moe_module
 from ddserve.model.loader import load_model

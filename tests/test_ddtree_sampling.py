@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency, chisquare
 import ddserve.engine.runner as runner_mod
 from ddserve.ddtree.accept import accept
 from ddserve.ddtree.sampling import select_tokens
-from ddserve.engine.drafter import _ContextDrafter
+from ddserve.drafter.testing import _ContextDrafter
 from ddserve.sampling import SamplingParams
 from tests.engine_helpers import (  # noqa: F401 (single_thread is a fixture)
     greedy_reference,

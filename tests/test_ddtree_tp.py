@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddserve.engine.drafter import OracleDrafter
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.engine.llm import LLM
 from ddserve.sampling import SamplingParams
 from tests.engine_helpers import PROMPTS, single_thread  # noqa: F401

@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from ddserve import LLM
-from ddserve.engine.comm import LocalComm
+from ddserve.distributed import LocalComm
 from ddserve.engine.config import EngineConfig, resolve_dtype
 from ddserve.engine.runner import ModelRunner
 from ddserve.model.loader import load_model

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from ddserve.drafter.testing import RandomDrafter
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import RandomDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.sampling import SamplingParams
 

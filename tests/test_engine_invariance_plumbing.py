@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ddserve.engine.comm import Communicator
+from ddserve.distributed import Communicator
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.runner import ModelRunner
 from ddserve.kernels import backend

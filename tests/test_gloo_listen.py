@@ -11,7 +11,7 @@ import listen_sockets
 import pytest
 import torch
 
-from ddserve.engine.comm import GlooComm, gloo_listener
+from ddserve.distributed import GlooComm, gloo_listener
 
 pytestmark = pytest.mark.skipif(not listen_sockets.available(), reason="needs Linux /proc")
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ddserve.config import ModelConfig
-from ddserve.engine.comm import LocalComm
+from ddserve.distributed import LocalComm
 from ddserve.model.deepseek import DeepseekV3ForCausalLM
 from ddserve.model.loader import load_model
 from ddserve.model.quant import dequantize_int4, pack_int4, unpack_int4

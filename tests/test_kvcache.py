@@ -68,8 +68,8 @@ def test_latent_pool_shape() -> None:
 
 def test_a_step_that_raises_returns_its_new_slots(tiny_model_dir, monkeypatch):
     """A forward that fails (e.g. out of device memory) must not leak the step's fresh slots."""
+    from ddserve.drafter.testing import RandomDrafter
     from ddserve.engine.config import EngineConfig
-    from ddserve.engine.drafter import RandomDrafter
     from ddserve.engine.runner import ModelRunner
     from ddserve.sampling import SamplingParams
 

@@ -6,7 +6,7 @@ import pytest
 
 from ddserve import LLM, SamplingParams
 from ddserve.cli import main as cli_main
-from ddserve.engine.drafter import OracleDrafter
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.kvcache import OutOfSlots
 from tests.engine_helpers import PROMPTS, single_thread  # noqa: F401
 

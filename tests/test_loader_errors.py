@@ -11,7 +11,7 @@ import torch
 from model_utils import prefill, rel_err
 from safetensors.torch import load_file, save_file
 
-from ddserve.engine.comm import LocalComm
+from ddserve.distributed import LocalComm
 from ddserve.model.deepseek import DeepseekV3ForCausalLM
 from ddserve.model.loader import CheckpointError, load_model, split_dim
 from ddserve.model.tiny import write_tiny

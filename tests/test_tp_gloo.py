@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from model_utils import make_meta, rel_err
 
-from ddserve.engine.comm import GlooComm
+from ddserve.distributed import GlooComm
 from ddserve.kernels import backend
 from ddserve.model.loader import load_model
 

@@ -83,19 +83,19 @@ class ShardWorker:
         if self.spec.world_size == 1:
             return ""
         if self.spec.device.startswith("cuda"):
-            from ddserve.engine.comm import NcclComm
+            from ddserve.distributed import NcclComm
 
             return NcclComm.make_unique_id()
         import ray
 
-        from ddserve.engine.comm import gloo_listener
+        from ddserve.distributed import gloo_listener
 
         self._listener, init = gloo_listener(ray.util.get_node_ip_address())
         return init
 
     def setup(self, comm_id: str | bytes) -> dict:
         """Build the communicator (all ranks call this concurrently) and load the model."""
-        from ddserve.engine.comm import GlooComm, LocalComm, NcclComm
+        from ddserve.distributed import GlooComm, LocalComm, NcclComm
         from ddserve.engine.config import EngineConfig
         from ddserve.engine.runner import ModelRunner
 

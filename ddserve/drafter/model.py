@@ -24,11 +24,11 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from ddserve.drafter.base import Drafter
 from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary
-from ddserve.engine.drafter import Drafter
 
 KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
 

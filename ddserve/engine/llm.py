@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddserve.drafter.base import Drafter
 from ddserve.engine.budget import BudgetTuner, default_candidates, tokens_at_budgets
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import Drafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.kvcache import OutOfSlots
 from ddserve.sampling import SamplingParams

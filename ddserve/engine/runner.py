@@ -18,9 +18,9 @@ import torch
 from ddserve.config import ModelConfig
 from ddserve.ddtree import accept, block_meta, build_tree, select_tokens, verify_inputs
 from ddserve.ddtree.verify import causal_masks
-from ddserve.engine.comm import Communicator, LocalComm
+from ddserve.distributed import Communicator, LocalComm
+from ddserve.drafter.base import Drafter
 from ddserve.engine.config import EngineConfig, resolve_dtype
-from ddserve.engine.drafter import Drafter
 from ddserve.engine.graphs import GraphedForward
 from ddserve.engine.stream import StepOutput, Stream, stop_ids
 from ddserve.engine.threads import configure_cpu_threads

@@ -11,7 +11,7 @@ import socket
 import traceback
 from typing import Any
 
-from ddserve.engine.comm import Communicator, GlooComm, gloo_listener
+from ddserve.distributed import Communicator, GlooComm, gloo_listener
 from ddserve.engine.runner import default_device
 from ddserve.kvcache import OutOfSlots
 
@@ -34,7 +34,7 @@ def _connect(
     if isinstance(init, bytes):
         import torch
 
-        from ddserve.engine.comm import NcclComm
+        from ddserve.distributed import NcclComm
 
         torch.cuda.set_device(rank)
         runner_kwargs["device"] = f"cuda:{rank}"
@@ -73,7 +73,7 @@ class TPGroup:
         if _is_cuda(runner_kwargs):
             import torch
 
-            from ddserve.engine.comm import NcclComm
+            from ddserve.distributed import NcclComm
 
             if tp > torch.cuda.device_count():  # a worker without a GPU leaves rank 0 in NCCL init
                 raise ValueError(f"tp={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")

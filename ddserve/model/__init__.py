@@ -1,6 +1,7 @@
 """The DeepSeek-V3 / Kimi K2 target model: MLA, MoE, YaRN RoPE, INT4 experts, TP layers.
 
-Imports are lazy so `ddserve.config` can use `ddserve.model.quant` without a cycle.
+Imports are lazy: `ddserve.model.quant` and `ddserve.model.rope` (which the training modules use)
+load without the model's other modules.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddserve.config import ModelConfig
-from ddserve.engine.comm import Communicator, LocalComm
+from ddserve.distributed import Communicator, LocalComm
 from ddserve.kernels.tree_attn import TreeAttnMeta
 from ddserve.model.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
 from ddserve.model.mla import MLA

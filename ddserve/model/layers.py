@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddserve.engine.comm import Communicator
+from ddserve.distributed import Communicator
 from ddserve.kernels import backend
 
 

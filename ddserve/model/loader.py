@@ -20,7 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ddserve.config import ModelConfig
-from ddserve.engine.comm import Communicator
+from ddserve.distributed import Communicator
 from ddserve.model.deepseek import DeepseekV3ForCausalLM
 
 # Checkpoint name (suffix) -> tensor-parallel split dim; None = replicated. First match wins.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddserve.config import ModelConfig
-from ddserve.engine.comm import Communicator
+from ddserve.distributed import Communicator
 from ddserve.kernels import backend
 from ddserve.kernels.tree_attn import TreeAttnMeta
 from ddserve.model.layers import (

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddserve.config import ModelConfig
-from ddserve.engine.comm import Communicator
+from ddserve.distributed import Communicator
 from ddserve.kernels import backend
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.model.layers import (

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ddserve.engine.comm import LocalComm
+from ddserve.distributed import LocalComm
 
 
 class DeploymentError(ValueError):

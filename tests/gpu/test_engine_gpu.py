@@ -7,8 +7,8 @@ import pytest
 import torch
 from engine_helpers import run_all
 
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import OracleDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.model.tiny import make_tiny
 from ddserve.sampling import SamplingParams
@@ -43,7 +43,7 @@ def test_ddtree_equals_ar_in_float32_on_the_gpu(model_dir, budget: int) -> None:
 
 def _nccl_rank(rank: int, uid: bytes, q) -> None:
     torch.cuda.set_device(rank)
-    from ddserve.engine.comm import NcclComm
+    from ddserve.distributed import NcclComm
 
     comm = NcclComm(rank, 2, uid)
     x = torch.full((1000,), float(rank + 1), device="cuda", dtype=torch.bfloat16)
@@ -59,7 +59,7 @@ def test_nccl_comm_collectives_on_two_gpus() -> None:
     pytest.importorskip("cupy")
     import torch.multiprocessing as mp
 
-    from ddserve.engine.comm import NcclComm
+    from ddserve.distributed import NcclComm
 
     ctx = mp.get_context("spawn")
     q, uid = ctx.Queue(), NcclComm.make_unique_id()

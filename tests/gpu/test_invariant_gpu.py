@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import run_all
 
+from ddserve.drafter.testing import OracleDrafter
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.drafter import OracleDrafter
 from ddserve.engine.runner import ModelRunner
 from ddserve.kernels import backend
 from ddserve.model.tiny import make_tiny

@@ -1,37 +1,14 @@
-"""The drafter seam (docs/architecture.md) and two test drafters.
-
-A drafter proposes per-depth logits for the D tokens after each stream's bonus token. The tree
-builder turns them into a tree; the target decides. Test drafters need no target hidden states.
-"""
+"""Test drafters: they need no target hidden states, and every rank drafts the same logits."""
 
 from __future__ import annotations
 
 import random
-from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-
-class Drafter(ABC):
-    depth: int  # D: draft depths per step (block size - 1)
-    capture_layers: tuple[int, ...]  # target layers whose outputs it consumes (() for tests)
-    max_streams: int | None = None  # streams its per-stream device state can hold (None: any)
-
-    @abstractmethod
-    def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None: ...
-
-    @abstractmethod
-    def commit(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
-        """Tokens whose target hidden states now exist (root + accepted nodes each step)."""
-
-    @abstractmethod
-    def draft(self, sids: list, bonus: Tensor) -> Tensor:
-        """bonus [B] (each stream's last committed token) -> [B, D, V] per-depth logits."""
-
-    @abstractmethod
-    def remove_stream(self, sid: Hashable) -> None: ...
+from ddserve.drafter.base import Drafter
 
 
 class _ContextDrafter(Drafter):

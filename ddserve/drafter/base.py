@@ -1,0 +1,33 @@
+"""The drafter seam (docs/architecture.md): what the engine asks of a drafter.
+
+A drafter proposes per-depth logits for the D tokens after each stream's bonus token. The tree
+builder turns them into a tree; the target decides. `DFlashDrafter` (model.py) is the real one;
+testing.py holds drafters that need no target hidden states.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+
+from torch import Tensor
+
+
+class Drafter(ABC):
+    depth: int  # D: draft depths per step (block size - 1)
+    capture_layers: tuple[int, ...]  # target layers whose outputs it consumes (() for tests)
+    max_streams: int | None = None  # streams its per-stream device state can hold (None: any)
+
+    @abstractmethod
+    def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None: ...
+
+    @abstractmethod
+    def commit(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
+        """Tokens whose target hidden states now exist (root + accepted nodes each step)."""
+
+    @abstractmethod
+    def draft(self, sids: list, bonus: Tensor) -> Tensor:
+        """bonus [B] (each stream's last committed token) -> [B, D, V] per-depth logits."""
+
+    @abstractmethod
+    def remove_stream(self, sid: Hashable) -> None: ...
