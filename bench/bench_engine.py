@@ -136,7 +136,7 @@ def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
     ecfg = EngineConfig(num_slots=c_max * per_stream + slack, budget=max(args.budgets),
                         prefill_chunk=args.prefill_chunk, seed=args.seed,
                         cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant,
-                        graph_buckets=tuple(sorted(args.batches)))  # fmt: skip
+                        graph_buckets=tuple(sorted(set(args.batches))))  # fmt: skip
     if args.cuda_graphs:
         args.graph_reps = 0  # the engine replays its own graphs; no separate probe
     runner = ModelRunner.from_model(model, mcfg, engine_cfg=ecfg)

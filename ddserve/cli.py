@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddserve.engine.config import EngineConfig
+
+_ENGINE = EngineConfig()  # the defaults `generate` passes and `serve` inherits (no torch import)
+
 
 def _make_tiny(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -35,7 +39,8 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--budget", type=int, default=16, help="DDTree node budget per step")
+    p.add_argument("--budget", type=int, default=_ENGINE.budget,
+                   help="DDTree node budget per step (default %(default)s)")  # fmt: skip
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
     p.add_argument("--no-speculative", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -75,14 +80,16 @@ def _serve(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' (/health stays open; default: "
                    "$DDSERVE_API_KEY, which keeps the key out of the process list)")  # fmt: skip
     p.add_argument("--max-streams", type=int, default=None, help="concurrent streams (default 10)")
-    p.add_argument("--budget", type=int, default=None, help="DDTree nodes per stream per step (16)")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"DDTree nodes per stream per step ({_ENGINE.budget})")  # fmt: skip
     p.add_argument("--buckets", type=_ints, default=None,
                    help="batch sizes streams are padded to, e.g. 1,2,4,8,12,16")  # fmt: skip
     p.add_argument("--budgets", type=_ints_or_auto, default=None,
                    help="one tree budget per bucket, or 'auto' to choose each batch size's budget "
                    "online by measured tokens/s (default: --budget for all)")  # fmt: skip
     p.add_argument("--num-slots", type=int, default=None,
-                   help="KV cache size in tokens, per replica (default 32768)")  # fmt: skip
+                   help=f"KV cache size in tokens, per replica (default "
+                   f"{_ENGINE.num_slots})")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests before 429 (default 64)")  # fmt: skip
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,

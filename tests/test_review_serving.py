@@ -18,6 +18,7 @@ from serve_fakes import ByteTok, FakeEngine
 from ddserve.actors.client import RequestRejected, TokenDelta
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
+from ddserve.engine.config import EngineConfig
 from ddserve.sampling import SamplingParams
 from ddserve.serve.app import ServedModel, create_app
 from ddserve.serve.deployment import ServeConfig
@@ -140,7 +141,7 @@ def test_max_queue_zero_is_refused_rather_than_answering_every_request_429() -> 
     with pytest.raises(ValueError, match="max_queue"):
         ServeConfig.model_validate({"max_queue": 0})
     with pytest.raises(ValueError, match="max_queue"):
-        RouterConfig(ShardSpec("m"), max_queue=0)
+        RouterConfig(shard=ShardSpec(model_path="m"), max_queue=0)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +155,8 @@ def test_max_queue_zero_is_refused_rather_than_answering_every_request_429() -> 
 )
 def test_bad_buckets_or_budgets_fail_at_config_time_not_at_the_first_step(kw: dict) -> None:
     with pytest.raises(ValueError):
-        RouterConfig(ShardSpec("m", budget=16), max_streams=8, **kw)
+        engine = EngineConfig(budget=16, max_streams=8, graph_buckets=kw["buckets"])
+        RouterConfig(shard=ShardSpec(model_path="m", engine=engine), budgets=kw.get("budgets"))
 
 
 def test_serve_config_http_limits_default_to_http_limits_own() -> None:

@@ -14,6 +14,7 @@ import pytest
 from ddserve.actors.client import QueueFull, RequestRejected
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
+from ddserve.engine.config import EngineConfig
 from ddserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -44,19 +45,21 @@ def ray_router(model_dir, drafter_dir):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    spec = ShardSpec(
-        str(model_dir),
-        world_size=2,
-        drafter_path=str(drafter_dir),
+    engine = EngineConfig(
         num_slots=SLOTS,
         budget=BUDGET,
         prefill_chunk=16,
         dtype="float32",
+        max_streams=3,
+        graph_buckets=(1, 2, 4),
+    )
+    spec = ShardSpec(
+        model_path=str(model_dir), world_size=2, drafter_path=str(drafter_dir), engine=engine
     )
     # budgets chosen online (the e2e server covers fixed per-bucket budgets)
     # max_queue 3: three simultaneous requests always fit whatever the arrival timing
-    cfg = RouterConfig(spec, max_streams=3, max_queue=3, control="fanout",
-                       buckets=(1, 2, 4), budget_candidates=(1, 3, BUDGET))  # fmt: skip
+    cfg = RouterConfig(shard=spec, max_queue=3, control="fanout",
+                       budget_candidates=(1, 3, BUDGET))  # fmt: skip
     group = asyncio.run(start_router(cfg))
     yield RayEngineClient(group.router), group.info
     asyncio.run(group.release())
@@ -67,11 +70,12 @@ def ray_router(model_dir, drafter_dir):
 def greedy(model_dir):
     import torch
 
-    from ddserve.engine.config import EngineConfig
     from ddserve.engine.runner import ModelRunner
 
     torch.set_num_threads(1)
-    runner = ModelRunner(model_dir, engine_cfg=EngineConfig(4096, dtype="float32"), device="cpu")
+    runner = ModelRunner(
+        model_dir, engine_cfg=EngineConfig(num_slots=4096, dtype="float32"), device="cpu"
+    )
     counter = iter(range(10**6))
 
     def run(ids: list[int], n: int) -> list[int]:

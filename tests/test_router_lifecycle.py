@@ -15,6 +15,7 @@ import pytest
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
 from ddserve.actors.startup import StartupError
+from ddserve.engine.config import EngineConfig
 from ddserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -39,9 +40,11 @@ def model_dir(tiny_int4_model_dir):
 
 
 def _config(model_dir, tp: int, **kw) -> RouterConfig:
-    spec = ShardSpec(str(model_dir), world_size=tp, drafter_path=str(model_dir / "drafter"),
-                     num_slots=256, budget=4, dtype="float32")  # fmt: skip
-    return RouterConfig(spec, max_streams=2, buckets=(1, 2), control="fanout", **kw)
+    engine = EngineConfig(num_slots=256, budget=4, dtype="float32", max_streams=2,
+                          graph_buckets=(1, 2))  # fmt: skip
+    spec = ShardSpec(model_path=str(model_dir), world_size=tp,
+                     drafter_path=str(model_dir / "drafter"), engine=engine)  # fmt: skip
+    return RouterConfig(shard=spec, control="fanout", **kw)
 
 
 def _released() -> bool:

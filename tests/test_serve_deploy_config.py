@@ -11,10 +11,17 @@ import yaml
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
 from ddserve.cli import build_parser
+from ddserve.engine.config import EngineConfig
 from ddserve.serve.deployment import ServeConfig
 from ddserve.serve.main import config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _router(*, budget: int = 16, buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16),
+            max_streams: int = 10, **kw) -> RouterConfig:  # fmt: skip
+    engine = EngineConfig(budget=budget, graph_buckets=buckets, max_streams=max_streams)
+    return RouterConfig(shard=ShardSpec(model_path="m", engine=engine), **kw)
 
 
 def test_serve_config_is_a_valid_serve_deploy_config() -> None:
@@ -65,25 +72,23 @@ def test_serve_cli_flags_become_valid_deployment_args() -> None:
 
 
 def test_batches_pad_to_the_smallest_bucket_with_its_budget() -> None:
-    cfg = RouterConfig(ShardSpec("m", budget=16), buckets=(1, 2, 4, 8), budgets=(16, 12, 8, 4),
-                       max_streams=8)  # fmt: skip
+    cfg = _router(budget=16, buckets=(1, 2, 4, 8), budgets=(16, 12, 8, 4), max_streams=8)
     assert [cfg.bucket(n) for n in (1, 2, 3, 4, 5, 8)] == [(1, 16), (2, 12), (4, 8), (4, 8),
                                                            (8, 4), (8, 4)]  # fmt: skip
     with pytest.raises(ValueError, match="max_streams"):
-        RouterConfig(ShardSpec("m"), buckets=(1, 2), max_streams=3)
+        _router(buckets=(1, 2), max_streams=3)
     with pytest.raises(ValueError, match="budget"):
-        RouterConfig(ShardSpec("m", budget=4), budgets=(8,) * 6)
+        _router(budget=4, budgets=(8,) * 6)
 
 
 def test_online_budgets_are_configured_and_bounded() -> None:
     args = build_parser().parse_args(["serve", "--budgets", "auto", "--budget", "32"])
     assert ServeConfig.model_validate(config_from_args(args)).budgets == "auto"
-    spec = ShardSpec("m", budget=16)
-    RouterConfig(spec, budget_candidates=(4, 8, 16))
+    _router(budget=16, budget_candidates=(4, 8, 16))
     with pytest.raises(ValueError, match="candidates"):
-        RouterConfig(spec, budget_candidates=(4, 32))  # above the engine's KV reservation
+        _router(budget=16, budget_candidates=(4, 32))  # above the engine's KV reservation
     with pytest.raises(ValueError, match="not both"):
-        RouterConfig(spec, max_streams=2, buckets=(1, 2), budgets=(8, 4), budget_candidates=(4, 8))
+        _router(max_streams=2, buckets=(1, 2), budgets=(8, 4), budget_candidates=(4, 8))
 
 
 @pytest.mark.parametrize(

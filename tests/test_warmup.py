@@ -9,6 +9,7 @@ import pytest
 
 from ddserve.actors.shard import Command, ShardSpec, ShardWorker
 from ddserve.actors.warmup import Shape, WarmupPlan, prefix_capacities, run_warmup, step_shapes
+from ddserve.engine.config import EngineConfig
 
 
 def _capacity(prefix: int) -> int:
@@ -34,9 +35,10 @@ class RecordingRank:
 
 @pytest.fixture(scope="module")
 def worker(tiny_int4_model_dir) -> ShardWorker:
-    spec = ShardSpec(str(tiny_int4_model_dir), drafter_path=str(tiny_int4_model_dir / "drafter"),
-                     num_slots=4096, budget=6, prefill_chunk=256, dtype="float32", max_streams=3,
-                     graph_buckets=(1, 2, 4))  # fmt: skip
+    engine = EngineConfig(num_slots=4096, budget=6, prefill_chunk=256, dtype="float32",
+                          max_streams=3, graph_buckets=(1, 2, 4))  # fmt: skip
+    spec = ShardSpec(model_path=str(tiny_int4_model_dir),
+                     drafter_path=str(tiny_int4_model_dir / "drafter"), engine=engine)  # fmt: skip
     w = ShardWorker(0, spec)
     w.setup("")
     return w

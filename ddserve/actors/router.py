@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddserve.actors.budget import BudgetTuner
@@ -32,6 +32,7 @@ from ddserve.actors.shard import Command, CommandResult, ShardSpec
 from ddserve.actors.startup import first_failure, one_line
 from ddserve.actors.stats import EngineStats
 from ddserve.actors.warmup import run_warmup, warmup_plan
+from ddserve.engine.config import check_batching
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -39,17 +40,17 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # an idle step loop sends every shard an empty command this often
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-    """budgets: the tree budget of each bucket (None: `shard.budget` for all). A batch of n
-    streams is padded to the smallest bucket >= n. budget_candidates: choose each bucket's
-    budget online among these, by measured committed tokens per second (`BudgetTuner`)."""
+    """The router's settings around the shards' `ShardSpec` (whose engine config holds the batch
+    sizes and stream count the router schedules by). budgets: the tree budget of each bucket
+    (None: the engine budget for all). A batch of n streams is padded to the smallest bucket
+    >= n. budget_candidates: choose each bucket's budget online among these, by measured
+    committed tokens per second (`BudgetTuner`)."""
 
     shard: ShardSpec
     speculative: bool = True
-    max_streams: int = 10
     max_queue: int = 64
-    buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
     budgets: tuple[int, ...] | None = None
     budget_candidates: tuple[int, ...] | None = None
     control: str = "compiled"  # or "fanout"; see shard_group.py
@@ -60,29 +61,27 @@ class RouterConfig:
     warmup_max_prefix: int = 16384  # largest CUDA-graph prefix capacity the warm-up captures
 
     def __post_init__(self) -> None:
-        b = self.buckets
-        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
-            raise ValueError(f"buckets must be increasing positive batch sizes, got {b}")
-        if self.budgets is not None and min(self.budgets, default=1) < 1:
-            raise ValueError(f"per-bucket budgets must be >= 1, got {self.budgets}")
         if self.max_queue < 1:  # every request waits in the queue before it is admitted
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-        if not 1 <= self.max_streams <= max(self.buckets):
-            raise ValueError(f"max_streams must be in [1, {max(self.buckets)}] (largest bucket)")
-        if self.budgets is not None and len(self.budgets) != len(self.buckets):
-            raise ValueError("budgets needs one entry per bucket")
-        if self.budgets is not None and max(self.budgets) > self.shard.budget:
-            raise ValueError("per-bucket budgets cannot exceed the engine budget (KV reservation)")
-        cands = self.budget_candidates
-        if cands is not None and (self.budgets is not None or not cands):
-            raise ValueError("give fixed per-bucket budgets or budget candidates, not both")
-        if cands is not None and not 1 <= min(cands) <= max(cands) <= self.shard.budget:
-            raise ValueError(f"budget candidates must lie in [1, {self.shard.budget}], got {cands}")
+        engine = self.shard.engine
+        check_batching(
+            buckets=engine.graph_buckets, budget=engine.budget, num_slots=engine.num_slots,
+            max_streams=engine.max_streams, budgets=self.budgets,
+            budget_candidates=self.budget_candidates,
+        )  # fmt: skip
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.shard.engine.graph_buckets
+
+    @property
+    def max_streams(self) -> int:
+        return self.shard.engine.max_streams
 
     def bucket(self, n: int) -> tuple[int, int]:
         """(padded batch size, tree budget) for n active streams."""
         i = next(i for i, b in enumerate(self.buckets) if b >= n)
-        return self.buckets[i], (self.budgets[i] if self.budgets else self.shard.budget)
+        return self.buckets[i], (self.budgets[i] if self.budgets else self.shard.engine.budget)
 
 
 @dataclass
@@ -254,7 +253,7 @@ class Router:
             "queue_depth": queued,
             "active_streams": len(self._engine),
             "kv_slots_used": self._kv_used,
-            "kv_slots_total": self.cfg.shard.num_slots,
+            "kv_slots_total": self.cfg.shard.engine.num_slots,
             "control": self.cfg.control,
             "bucket_budgets": self._bucket_budgets(),
             "warmup_shapes": self._warmup_shapes,
@@ -360,7 +359,3 @@ class Router:
         self._group.close()
         for s in self._shards:  # release devices; survivors may be stuck in a collective
             ray.kill(s)
-
-
-def with_overrides(cfg: RouterConfig, **shard: object) -> RouterConfig:
-    return replace(cfg, shard=replace(cfg.shard, **shard))

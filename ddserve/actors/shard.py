@@ -15,28 +15,22 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddserve.engine.config import EngineConfig
 from ddserve.engine.stream import StepOutput
 from ddserve.kvcache import OutOfSlots
 from ddserve.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardSpec:
-    """What every rank needs to build its runner (identical on all ranks)."""
+    """What every rank needs to build its runner (identical on all ranks): where the model is,
+    how the ranks are placed, and the engine settings."""
 
     model_path: str
     world_size: int = 1
     drafter_path: str | None = None
     device: str = "cpu"
-    num_slots: int = 8192
-    budget: int = 16
-    prefill_chunk: int = 512
-    dtype: str = "bfloat16"
-    seed: int = 0
-    max_streams: int = 16
-    cuda_graphs: bool = False
-    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
-    batch_invariant: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass(frozen=True)
@@ -96,7 +90,6 @@ class ShardWorker:
     def setup(self, comm_id: str | bytes) -> dict:
         """Build the communicator (all ranks call this concurrently) and load the model."""
         from ddserve.distributed import GlooComm, LocalComm, NcclComm
-        from ddserve.engine.config import EngineConfig
         from ddserve.engine.runner import ModelRunner
 
         s = self.spec
@@ -106,17 +99,14 @@ class ShardWorker:
             comm = NcclComm(self.rank, s.world_size, comm_id)
         else:
             comm = GlooComm(self.rank, s.world_size, comm_id, self._listener)
-        cfg = EngineConfig(
-            s.num_slots, s.budget, s.prefill_chunk, s.dtype, s.seed, max_streams=s.max_streams,
-            cuda_graphs=s.cuda_graphs, graph_buckets=s.graph_buckets,
-            batch_invariant=s.batch_invariant,
-        )  # fmt: skip
         drafter = Path(s.drafter_path) if s.drafter_path else None
-        self.runner = ModelRunner(s.model_path, comm, cfg, drafter, s.device)
+        self.runner = ModelRunner(
+            s.model_path, comm=comm, engine_cfg=s.engine, drafter=drafter, device=s.device
+        )
         mc = self.runner.model_cfg
         return {
             "max_position_embeddings": mc.max_position_embeddings,
-            "num_slots": s.num_slots,
+            "num_slots": s.engine.num_slots,
             "vocab_size": mc.vocab_size,
             "speculative": drafter is not None,
         }
@@ -147,6 +137,6 @@ class ShardWorker:
             else:
                 res.outputs.update(runner.ar_step(list(cmd.step)))
             res.step_s = time.perf_counter() - t1
-        res.kv_slots_used = self.spec.num_slots - runner.free_slots
+        res.kv_slots_used = self.spec.engine.num_slots - runner.free_slots
         res.busy_s = time.perf_counter() - t0
         return res if self.rank == 0 else None

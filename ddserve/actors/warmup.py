@@ -86,13 +86,13 @@ def warmup_plan(cfg: RouterConfig, info: dict) -> WarmupPlan:
     """Every batch size with each budget its bucket may run (per-bucket budgets, or each online
     candidate; AR steps without a drafter), at every graph prefix capacity a stream can reach,
     bounded by `cfg.warmup_max_prefix`, the context and a quarter of the KV pool."""
-    spec = cfg.shard
+    spec, engine = cfg.shard, cfg.shard.engine
     per_bucket = None
     if info["speculative"]:
         per_bucket = [cfg.budget_candidates or (cfg.bucket(b)[1],) for b in cfg.buckets]
     shapes = step_shapes(cfg.buckets, cfg.max_streams, per_bucket)
-    limit = min(cfg.warmup_max_prefix, info["max_position_embeddings"], spec.num_slots // 4)
-    graphs = spec.cuda_graphs and spec.device.startswith("cuda")
+    limit = min(cfg.warmup_max_prefix, info["max_position_embeddings"], engine.num_slots // 4)
+    graphs = engine.cuda_graphs and spec.device.startswith("cuda")
     return WarmupPlan(shapes, prefix_capacities(graphs, limit))
 
 

@@ -21,6 +21,11 @@ from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+_ENGINE = EngineConfig()  # the LLM's defaults are the engine's, except:
+# a smaller KV pool than a serving replica's: the offline API runs one-off batches, often on a
+# laptop's CPU or a single GPU beside other work, and the pool is allocated in full up front
+OFFLINE_NUM_SLOTS = 4096
+
 
 @dataclass
 class GenerationOutput:
@@ -57,17 +62,17 @@ class LLM:
         model_path: str | Path | None = None,
         drafter: Drafter | str | Path | None = None,
         tp: int = 1,
-        budget: int = 16,
+        budget: int = _ENGINE.budget,
         device: str | None = None,
-        num_slots: int = 4096,
-        dtype: str = "auto",
-        prefill_chunk: int = 512,
-        max_streams: int = 16,
+        num_slots: int = OFFLINE_NUM_SLOTS,
+        dtype: str = _ENGINE.dtype,
+        prefill_chunk: int = _ENGINE.prefill_chunk,
+        max_streams: int = _ENGINE.max_streams,
         seed: int | None = None,
-        batch_invariant: bool = True,
-        cuda_graphs: bool = False,
+        batch_invariant: bool = _ENGINE.batch_invariant,
+        cuda_graphs: bool = _ENGINE.cuda_graphs,
         tune_budget: bool = True,
-        cpu_threads: int | None = None,
+        cpu_threads: int | None = _ENGINE.cpu_threads,
     ) -> None:
         if model_path is None:  # the embedded pair: its target and, unless given, its drafter
             from ddserve.model.tiny import default_model_dir
@@ -77,9 +82,16 @@ class LLM:
         self.model_path = Path(model_path)
         seed = random.randrange(2**31) if seed is None else seed
         cfg = EngineConfig(
-            num_slots, budget, prefill_chunk, dtype, seed, max_streams=max_streams,
-            batch_invariant=batch_invariant, cuda_graphs=cuda_graphs, cpu_threads=cpu_threads,
-        )  # fmt: skip
+            num_slots=num_slots,
+            budget=budget,
+            prefill_chunk=prefill_chunk,
+            dtype=dtype,
+            seed=seed,
+            max_streams=max_streams,
+            batch_invariant=batch_invariant,
+            cuda_graphs=cuda_graphs,
+            cpu_threads=cpu_threads,
+        )
         kwargs = dict(model_path=self.model_path, engine_cfg=cfg, drafter=drafter, device=device)
         self.max_streams, self.tp, self._next_sid = max_streams, tp, 0
         self._group = None

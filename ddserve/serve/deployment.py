@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,15 +23,26 @@ from ray import serve
 from ddserve.actors.budget import default_candidates
 from ddserve.actors.router import RouterConfig
 from ddserve.actors.shard import ShardSpec
+from ddserve.engine.config import EngineConfig, check_batching
 from ddserve.serve import preflight
 from ddserve.serve.app import HttpLimits
 
 log = logging.getLogger(__name__)
-_HTTP = HttpLimits()  # its defaults are ServeConfig's
+
+
+def _default(cls: type, name: str) -> Any:
+    """The default the dataclass `cls` declares for its field `name`."""
+    (f,) = [f for f in fields(cls) if f.name == name]
+    return f.default
+
+
+# ServeConfig's defaults are the ones the layers below declare, except where it says why not
+_ENGINE, _HTTP = EngineConfig(), HttpLimits()
 
 
 class ServeConfig(BaseModel):
-    """Deployment arguments (validated at the edge, then turned into frozen dataclasses)."""
+    """Deployment arguments, validated at the edge; `resolve` turns them into the frozen
+    dataclasses of the layers below (RouterConfig, holding ShardSpec, holding EngineConfig)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -41,34 +52,37 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = None
     tp: int | None = Field(None, ge=1)  # None: 2 on CPU, every GPU of one node
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 GPU, fp32 CPU
-    speculative: bool = True
+    # auto: bf16 GPU, fp32 CPU
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _ENGINE.dtype
+    speculative: bool = _default(RouterConfig, "speculative")
+    # fewer than the engine's 16: more streams make each verify forward touch more distinct
+    # experts, so per-stream speed drops as the aggregate rises (docs/operations.md, Tuning)
     max_streams: int = Field(10, ge=1, le=16)
-    max_queue: int = Field(64, ge=1)  # every request passes through the queue
-    budget: int = Field(16, ge=1)
-    buckets: list[int] = [1, 2, 4, 8, 12, 16]
+    max_queue: int = Field(_default(RouterConfig, "max_queue"), ge=1)  # every request queues
+    budget: int = Field(_ENGINE.budget, ge=1)
+    buckets: list[int] = list(_ENGINE.graph_buckets)
     # one per bucket, or "auto": the budget of each batch size is chosen online among powers
     # of two up to `budget`, by measured committed tokens per second
     budgets: list[int] | Literal["auto"] | None = None
-    num_slots: int = Field(32768, ge=64)
-    prefill_chunk: int = Field(512, ge=1)
+    num_slots: int = Field(_ENGINE.num_slots, ge=64)
+    prefill_chunk: int = Field(_ENGINE.prefill_chunk, ge=1)
     # base of the per-request seeds of requests that give none; None: drawn at start-up, so
     # unseeded sampling differs across restarts and replicas (every rank gets the same value)
     seed: int | None = None
-    control: Literal["compiled", "fanout"] = "compiled"
+    control: Literal["compiled", "fanout"] = _default(RouterConfig, "control")
     # replay decode/verify forwards from CUDA graphs, one per bucket and budget; None: on for
     # CUDA devices (a K2.6 rank step: 140-220 ms eager, 19-59 ms replayed; BENCHMARKS.md)
     cuda_graphs: bool | None = None
     # batch-invariant GPU kernels: DDTree output equals plain decoding bit for bit in bf16
-    batch_invariant: bool = True
-    shard_cpus: float = Field(0.1, gt=0)
+    batch_invariant: bool = _ENGINE.batch_invariant
+    shard_cpus: float = Field(_default(RouterConfig, "shard_cpus"), gt=0)
     # how long a replica waits for its shards' resources before it fails (an autoscaler may
     # need minutes to launch a GPU node)
-    placement_timeout_s: float = Field(600.0, gt=0)
+    placement_timeout_s: float = Field(_default(RouterConfig, "placement_timeout_s"), gt=0)
     # run every step shape once (compiling kernels, capturing CUDA graphs) before serving, for
     # prefixes up to warmup_max_prefix tokens (longer ones capture their graphs on first use)
-    warmup: bool = True
-    warmup_max_prefix: int = Field(16384, ge=256)
+    warmup: bool = _default(RouterConfig, "warmup")
+    warmup_max_prefix: int = Field(_default(RouterConfig, "warmup_max_prefix"), ge=256)
     # starts tried after a shard or the router died, with back-off, before the replica reports
     # unhealthy and Serve replaces it; 0: no rebuild (the replica is replaced at once)
     rebuild_attempts: int = Field(3, ge=0)
@@ -83,18 +97,13 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
-        """The router's rules, checked when the config is read (`serve deploy` fails at once
-        instead of a replica failing its start-up again and again)."""
-        b = self.buckets
-        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
-            raise ValueError(f"buckets must be increasing positive batch sizes, got {b}")
-        if self.max_streams > b[-1]:
-            raise ValueError(f"max_streams {self.max_streams} exceeds the largest bucket {b[-1]}")
-        fixed = self._fixed_budgets()
-        if fixed and (len(fixed) != len(b) or min(fixed) < 1):
-            raise ValueError(f"budgets needs one positive budget per bucket, got {fixed}")
-        if max([self.budget, *fixed]) + 1 >= self.num_slots:
-            raise ValueError(f"num_slots {self.num_slots} leaves no room beside the tree budget")
+        """The batching rules every layer checks (`check_batching`), when the config is read:
+        `serve deploy` fails at once instead of a replica failing its start-up again and again."""
+        check_batching(
+            buckets=self.buckets, budget=self._engine_budget(), num_slots=self.num_slots,
+            max_streams=self.max_streams, budgets=self._fixed_budgets() or None,
+            budget_candidates=self._candidates(),
+        )  # fmt: skip
         return self
 
     def http_limits(self) -> HttpLimits:
@@ -119,6 +128,13 @@ class ServeConfig(BaseModel):
 
     def _fixed_budgets(self) -> list[int]:
         return [] if self.budgets in (None, "auto") else list(self.budgets)
+
+    def _candidates(self) -> tuple[int, ...] | None:
+        return default_candidates(self.budget) if self.budgets == "auto" else None
+
+    def _engine_budget(self) -> int:
+        """The engine's budget (its KV reservation): the largest any bucket may use."""
+        return max([self.budget, *self._fixed_budgets()])
 
     def model_dir(self) -> Path:
         """The checkpoint directory (default: the embedded pair packaged with ddserve)."""
@@ -163,24 +179,30 @@ class ServeConfig(BaseModel):
         model = self.model_dir()
         drafter = self.drafter_dir(model)
         where = self.placement()
-        spec = ShardSpec(
-            model_path=str(model), world_size=where.tp, drafter_path=drafter,
-            device=where.device, num_slots=self.num_slots,
-            budget=max([self.budget, *self._fixed_budgets()]),
-            prefill_chunk=self.prefill_chunk, dtype=where.dtype,
+        engine = EngineConfig(
+            num_slots=self.num_slots,
+            budget=self._engine_budget(),
+            prefill_chunk=self.prefill_chunk,
+            dtype=where.dtype,
             seed=self.seed if self.seed is not None else secrets.randbits(31),
             max_streams=self.max_streams,
             cuda_graphs=self.graphs_on(where.device, where.dtype),
-            graph_buckets=tuple(self.buckets), batch_invariant=self.batch_invariant,
-        )  # fmt: skip
+            graph_buckets=tuple(self.buckets),
+            batch_invariant=self.batch_invariant,
+        )
+        spec = ShardSpec(
+            model_path=str(model),
+            world_size=where.tp,
+            drafter_path=drafter,
+            device=where.device,
+            engine=engine,
+        )
         cfg = RouterConfig(
             shard=spec,
             speculative=self.speculative and drafter is not None,
-            max_streams=self.max_streams,
             max_queue=self.max_queue,
-            buckets=tuple(self.buckets),
             budgets=tuple(self._fixed_budgets()) or None,
-            budget_candidates=default_candidates(self.budget) if self.budgets == "auto" else None,
+            budget_candidates=self._candidates(),
             control=self.control,
             shard_cpus=self.shard_cpus,
             placement_timeout_s=self.placement_timeout_s,
@@ -238,7 +260,8 @@ class OpenAIServer:
         policy = RebuildPolicy(attempts=serve_cfg.rebuild_attempts)
         self._engine = SupervisedEngine(start, policy)
         info = await self._engine.start()
-        ctx = min(info["max_position_embeddings"], cfg.shard.num_slots - cfg.shard.budget - 1)
+        engine = cfg.shard.engine
+        ctx = min(info["max_position_embeddings"], engine.num_slots - engine.budget - 1)
         self._model = ServedModel(name, ctx, tok, info["vocab_size"])
         log.info(
             "ddserve replica %s: %s tp=%d on %s, speculative=%s, control=%s",

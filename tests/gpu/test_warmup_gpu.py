@@ -12,6 +12,7 @@ import torch
 
 from ddserve.actors.shard import Command, ShardSpec, ShardWorker
 from ddserve.actors.warmup import WarmupPlan, prefix_capacities, run_warmup, step_shapes
+from ddserve.engine.config import EngineConfig
 from ddserve.model.tiny import make_tiny
 from ddserve.sampling import SamplingParams
 
@@ -33,9 +34,10 @@ class OneRank:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> ShardWorker:
     model = make_tiny(tmp_path_factory.mktemp("tiny") / "m", int4=True, seed=0)
-    spec = ShardSpec(str(model), drafter_path=str(model / "drafter"), device="cuda",
-                     dtype="bfloat16", cuda_graphs=True, num_slots=8192, budget=BUDGET,
-                     max_streams=max(BUCKETS), graph_buckets=BUCKETS)  # fmt: skip
+    engine = EngineConfig(dtype="bfloat16", cuda_graphs=True, num_slots=8192, budget=BUDGET,
+                          max_streams=max(BUCKETS), graph_buckets=BUCKETS)  # fmt: skip
+    spec = ShardSpec(model_path=str(model), drafter_path=str(model / "drafter"), device="cuda",
+                     engine=engine)  # fmt: skip
     w = ShardWorker(0, spec)
     w.setup("")
     return w
