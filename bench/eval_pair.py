@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from ddserve import LLM, SamplingParams  # noqa: E402
 from ddserve.engine.budget import BudgetTuner, default_candidates  # noqa: E402
-from ddserve.engine.config import resolve_dtype  # noqa: E402
+from ddserve.engine.config import EngineConfig, resolve_dtype  # noqa: E402
 
-DEFAULT_BUDGET = 16  # LLM() and `ddserve serve`
+DEFAULT_BUDGET = EngineConfig().budget  # LLM() and `ddserve serve`
 PRESETS = {  # what each device runs unless told otherwise
     "cuda": dict(num_prompts=64, max_tokens=128, concurrency="1,5,10", speed_prompts=10,
                  speed_budgets="4,8,16,32,64", acc_streams=16, repeats=1),

@@ -104,3 +104,11 @@ def test_the_kv_pool_must_leave_room_beside_the_tree_budget() -> None:
         EngineConfig(num_slots=17, budget=16)
     with pytest.raises(ValueError, match="num_slots"):
         ServeConfig.model_validate({"budget": 64, "num_slots": 64})
+
+
+def test_serve_cli_help_states_the_serve_config_defaults() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    helps = {a.dest: a.help for a in sub.choices["serve"]._actions}
+    serve = ServeConfig()
+    for name in ("max_streams", "budget", "num_slots", "max_queue"):
+        assert str(getattr(serve, name)) in helps[name], name
