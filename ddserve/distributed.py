@@ -77,12 +77,23 @@ def gloo_listener(host: str) -> tuple[socket.socket, str]:
     return sock, f"tcp://{netloc}:{sock.getsockname()[1]}"
 
 
+def _local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (`host` itself when it is local): where
+    this rank's gloo connections listen. Ranks on other nodes than rank 0 (a CPU placement group
+    may spread them) must not use rank 0's address, which no interface of theirs has."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
 class GlooComm(Communicator):
-    """gloo over TCP on CPU tensors; one process per rank, every rank on the host named by
-    `init_method` ("tcp://HOST:PORT"). Everything it opens listens on HOST only: rank 0's
+    """gloo over TCP on CPU tensors; one process per rank, rank 0 on the host named by
+    `init_method` ("tcp://HOST:PORT"). Nothing it opens listens on every interface: rank 0's
     rendezvous store on `listener` (from `gloo_listener`; else it binds HOST:PORT itself), and
-    each rank's gloo connections. torch's own `tcp://` rendezvous would listen on every
-    interface, and gloo's on the address the machine's hostname resolves to."""
+    each rank's gloo connections (on its own address towards HOST, HOST itself on rank 0's
+    node). torch's own `tcp://` rendezvous would listen on every interface, and gloo's on the
+    address the machine's hostname resolves to."""
 
     def __init__(
         self, rank: int, world_size: int, init_method: str, listener: socket.socket | None = None
@@ -99,7 +110,7 @@ class GlooComm(Communicator):
         timeout = timedelta(minutes=30)  # torch.distributed's default for gloo
         self._store = TCPStore(host, port, world_size, rank == 0, timeout, master_listen_fd=fd)
         opts = ProcessGroupGloo._Options()
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        opts._devices = [ProcessGroupGloo.create_device(hostname=_local_address_towards(host))]
         opts._timeout = timeout
         self._pg = ProcessGroupGloo(self._store, rank, world_size, opts)
         self.rank, self.world_size = rank, world_size

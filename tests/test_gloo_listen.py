@@ -70,3 +70,16 @@ def test_gloo_on_a_cluster_address_listens_on_that_address_only() -> None:
     found = _listening_while_connected(ip)
     addresses = {addr for socks in found.values() for addr, _ in socks}
     assert addresses == {ip}, found  # never 0.0.0.0 / :: (every interface)
+
+
+def test_a_rank_on_another_node_listens_on_its_own_address() -> None:
+    """A rank's gloo device binds this machine's address towards rank 0's host, not rank 0's
+    address (which a rank on another node cannot bind)."""
+    from ddserve.distributed import _local_address_towards
+
+    assert _local_address_towards("127.0.0.1") == "127.0.0.1"
+    ip = _machine_address()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback address")
+    assert _local_address_towards(ip) == ip
+    assert _local_address_towards("192.0.2.1") == ip  # an address no interface here has
