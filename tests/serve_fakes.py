@@ -75,6 +75,7 @@ class FakeEngine(EngineClient):
         self.queue_full = False
         self.dead: str | None = None
         self.die_after_tokens: int | None = None
+        self.retry_after_s: float | None = None  # stats' estimate while "rebuilding"
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -121,4 +122,5 @@ class FakeEngine(EngineClient):
             "active_streams": len(self.active),
             "kv_slots_used": 10 * len(self.active),
             "kv_slots_total": 1000,
+            **({} if self.retry_after_s is None else {"retry_after_s": self.retry_after_s}),
         }

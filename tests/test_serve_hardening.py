@@ -24,7 +24,9 @@ from serve_fakes import ByteTok, FakeEngine, SlowTok
 
 from ddserve.actors.client import EngineDead, RequestRejected, TokenDelta
 from ddserve.sampling import SamplingParams
+from ddserve.serve import protocol
 from ddserve.serve.app import HttpLimits, ServedModel, create_app
+from ddserve.serve.errors import ENGINE_RETRY_AFTER_S
 from ddserve.tokenizer import Tokenizer, write_byte_tokenizer
 
 MODEL, CTX, KEY = "m", 64, "sk-test-0123456789"
@@ -68,8 +70,8 @@ def _openai_error(r: httpx.Response, status: int) -> dict:
 # ---- body size ------------------------------------------------------------------------------
 
 
-def test_announced_oversized_body_is_413_without_reading_a_byte() -> None:
-    app = _app(limits=HttpLimits(max_body_bytes=1000))
+def _unread(app, method: str, path: str, length: int, headers=()) -> tuple[int, dict]:
+    """(status, error) for a request announcing a `length`-byte body that must not be read."""
     sent: list[dict] = []
 
     async def receive() -> dict:
@@ -78,14 +80,26 @@ def test_announced_oversized_body_is_413_without_reading_a_byte() -> None:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    headers = [(b"content-length", b"52428800"), (b"content-type", b"application/json")]
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"",
+    headers = [(b"content-length", str(length).encode()), (b"content-type", b"application/json"),
+               *headers]  # fmt: skip
+    scope = {"type": "http", "method": method, "path": path, "raw_path": b"",
              "query_string": b"", "headers": headers, "http_version": "1.1", "scheme": "http",
              "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
     asyncio.run(app(scope, receive, send))
-    assert sent[0]["status"] == 413
-    err = json.loads(sent[1]["body"])["error"]
+    return sent[0]["status"], json.loads(sent[1]["body"])["error"]
+
+
+def test_announced_oversized_body_is_413_without_reading_a_byte() -> None:
+    app = _app(limits=HttpLimits(max_body_bytes=1000))
+    status, err = _unread(app, "POST", "/v1/completions", 52428800)
+    assert status == 413
     assert err["code"] == "request_too_large" and "1000 bytes" in err["message"]
+
+
+@pytest.mark.parametrize("api_key", [None, KEY])
+def test_a_post_to_health_is_405_before_its_body_is_read(api_key: str | None) -> None:
+    status, err = _unread(_app(api_key=api_key), "POST", "/health", 8 * 1024 * 1024 - 1)
+    assert status == 405 and err["code"] == "method_not_allowed"
 
 
 def test_chunked_body_is_cut_off_once_it_passes_the_limit() -> None:
@@ -174,6 +188,46 @@ def test_prompt_over_the_token_limit_is_400() -> None:
 def test_default_prompt_token_limit_is_the_context_length() -> None:
     err = _openai_error(_call(_app(), "POST", "/v1/completions", json={"prompt": [1] * CTX}), 400)
     assert err["code"] == "context_length_exceeded" and str(CTX) in err["message"]
+
+
+# ---- huge lists -----------------------------------------------------------------------------
+
+# Each fits the 8 MiB body; unbounded, pydantic validated every item on the event loop.
+HUGE_LISTS = {
+    "messages": (CHAT, {"messages": [{"role": "user"}] * 500_000}, "at most 4096 items"),
+    "content parts": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 290_000}]},
+        "at most 256 items",
+    ),
+    "prompt strings": ("/v1/completions", {"prompt": [""] * 2_700_000}, "only one prompt"),
+    "token ids": ("/v1/completions", {"prompt": [0] * 4_000_000}, "at most 1048576 token ids"),
+}
+
+
+@pytest.mark.parametrize("kind", list(HUGE_LISTS))
+def test_a_huge_list_is_400_before_its_items_are_validated(kind: str, monkeypatch) -> None:
+    path, body, says = HUGE_LISTS[kind]
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    assert len(raw) < HttpLimits().max_body_bytes
+    checked = []  # each text item (role, part, prompt string) is checked for valid Unicode
+    monkeypatch.setattr(protocol, "check_unicode", checked.append)
+    app = _app()
+
+    async def go() -> tuple[list[float], httpx.Response]:
+        async with _client(app) as c:
+            headers = {"content-type": "application/json"}
+            big = asyncio.create_task(c.post(path, content=raw, headers=headers))
+            return await _probe_health(c, big), await big
+
+    health, r = asyncio.run(go())
+    err = _openai_error(r, 400)
+    assert err["param"] == ("prompt" if path == "/v1/completions" else "messages")
+    assert len(checked) <= protocol.MAX_MESSAGES + 1  # pydantic stops one item past the bound
+    assert says in err["message"]
+    # Parsing the 8 MiB of JSON holds the loop ~0.2 s on an idle machine (json.loads runs in C);
+    # validating the 500k messages held it ~2.5 s. The bound leaves room for a loaded CI machine.
+    assert _max_gap(health) < 1.5, _max_gap(health)
 
 
 # ---- the event loop stays free --------------------------------------------------------------
@@ -266,6 +320,27 @@ def test_slow_detokenization_does_not_stall_health() -> None:
     health, r = asyncio.run(go())
     assert r.json()["choices"][0]["text"] == "Zz"
     assert health[-1] - health[0] >= 1.4 and _max_gap(health) < 0.7
+
+
+def test_apps_shut_their_thread_pools_down_with_the_lifespan() -> None:
+    from fastapi.testclient import TestClient
+
+    before = set(threading.enumerate())
+    apps = []  # kept alive: only the shutdown, not garbage collection, may end the threads
+    for _ in range(5):
+        apps.append(_app())
+        with TestClient(apps[-1]) as c:  # runs the lifespan, as Serve and uvicorn do
+            r = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+            assert r.json()["choices"][0]["text"] == "ab"  # tokenized, detokenized: both pools
+
+    def ours() -> list[threading.Thread]:
+        new = set(threading.enumerate()) - before
+        return [t for t in new if t.name.startswith("ddserve")]
+
+    deadline = time.monotonic() + 10  # idle workers exit once told to; wide for a loaded machine
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ours() == []
 
 
 # ---- chat roles and content -----------------------------------------------------------------
@@ -459,9 +534,24 @@ def test_without_a_key_header_the_401_explains_bearer_auth() -> None:
     err = _openai_error(r, 401)
     assert err["code"] == "invalid_api_key" and "Bearer" in err["message"]
     assert r.headers["www-authenticate"] == "Bearer"
-    for value in (KEY, f"bearer {KEY}", f"Bearer {KEY} ", f"Bearer {KEY[:-1]}", "Bearer "):
+    for value in (KEY, f"Basic {KEY}", f"Bearer {KEY} ", f"Bearer {KEY[:-1]}", "Bearer "):
         r = _call(app, "GET", "/v1/models", headers={"authorization": value})
         _openai_error(r, 401)
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(scheme: str) -> None:
+    r = _call(_app(api_key=KEY), "GET", "/v1/models", headers={"authorization": f"{scheme} {KEY}"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "values", [(KEY, "wrong"), ("wrong", KEY), (KEY, KEY)], ids=["good-bad", "bad-good", "twice"]
+)
+def test_several_authorization_headers_are_401(values: tuple[str, str]) -> None:
+    headers = [("authorization", f"Bearer {v}") for v in values]
+    r = _call(_app(api_key=KEY), "GET", "/v1/models", headers=headers)
+    assert "one Authorization header" in _openai_error(r, 401)["message"]
 
 
 def test_health_is_open_and_everything_else_needs_the_key() -> None:
@@ -557,7 +647,21 @@ def test_engine_death_mid_stream_is_a_plain_error_event() -> None:
                                                    "stream": True})  # fmt: skip
     errors = [json.loads(ln[6:])["error"] for ln in r.text.splitlines() if '"error"' in ln]
     assert errors and errors[0]["message"] == "The model server failed; retry later."
-    assert errors[0]["code"] == 503
+    assert errors[0]["code"] == "service_unavailable"
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [(EngineDead(INTERNAL), 503), (RequestRejected("no room"), 400), (RuntimeError(INTERNAL), 500)],
+    ids=["dead", "rejected", "unexpected"],
+)
+def test_a_stream_error_event_carries_the_error_the_http_body_would(error, status) -> None:
+    app = _app(engine=_Failing(error, after_ack=True))
+    plain = _call(app, "POST", "/v1/completions", raise_errors=False, json={"prompt": "x"})
+    http_error = _openai_error(plain, status)
+    streamed = _call(app, "POST", "/v1/completions", json={"prompt": "x", "stream": True})
+    events = [json.loads(ln[6:]) for ln in streamed.text.splitlines() if ln.startswith("data: {")]
+    assert events[-1] == {"error": http_error} and isinstance(http_error["code"], str)
 
 
 def test_rejection_keeps_the_reason_without_escapes_or_tracebacks() -> None:
@@ -577,6 +681,27 @@ def test_unhealthy_engine_health_is_generic(caplog) -> None:
     assert _openai_error(r, 503)["type"] == "service_unavailable"
     _no_leaks(r.text)
     assert "actor_id=3f2a9c0b1d" in caplog.text
+
+
+def test_an_unhealthy_health_check_carries_retry_after() -> None:
+    engine = FakeEngine()
+    engine.dead = INTERNAL
+    app = _app(engine=engine)
+    r = _call(app, "GET", "/health")
+    assert _openai_error(r, 503) and r.headers["retry-after"] == str(ENGINE_RETRY_AFTER_S)
+    engine.retry_after_s = 7.4  # the supervisor's estimate while it rebuilds
+    r = _call(app, "GET", "/health")
+    assert "restarting" in _openai_error(r, 503)["message"] and r.headers["retry-after"] == "7"
+
+
+def test_each_outage_is_logged_once_even_with_the_same_cause(caplog) -> None:
+    engine = FakeEngine()
+    app = _app(engine=engine)
+    with caplog.at_level(logging.ERROR, logger="ddserve"):
+        for dead in ("shard 1 died", "shard 1 died", None, "shard 1 died", "shard 1 died"):
+            engine.dead = dead
+            assert _call(app, "GET", "/health").status_code == (200 if dead is None else 503)
+    assert caplog.text.count("unhealthy: shard 1 died") == 2
 
 
 def test_an_unexpected_error_is_a_generic_500(caplog) -> None:

@@ -31,8 +31,8 @@ from ddserve.serve.requests import (
 
 
 def test_extra_fields_are_accepted_and_kept() -> None:
-    req = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": 0.5, "foo": [1]})
-    assert req.model_extra == {"presence_penalty": 0.5, "foo": [1]}
+    req = CompletionRequest.model_validate({"prompt": "x", "metadata": {"k": "v"}, "foo": [1]})
+    assert req.model_extra == {"metadata": {"k": "v"}, "foo": [1]}
 
 
 def test_stop_accepts_a_string_or_a_list() -> None:
@@ -314,3 +314,113 @@ def test_stop_lists_are_bounded() -> None:
         CompletionRequest(prompt="x", stop="a" * (MAX_STOP_CHARS + 1))
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="x", stop_token_ids=list(range(65)))
+
+
+# ---- bounded lists: pydantic checks a list's length before validating its items -------------
+
+
+def test_messages_are_bounded() -> None:
+    from ddserve.serve.protocol import MAX_MESSAGES
+
+    ChatCompletionRequest(messages=[{"role": "user"}] * MAX_MESSAGES)
+    with pytest.raises(ValidationError, match=f"at most {MAX_MESSAGES} items"):
+        ChatCompletionRequest(messages=[{"role": "user"}] * (MAX_MESSAGES + 1))
+
+
+def test_content_parts_are_bounded() -> None:
+    from ddserve.serve.protocol import MAX_CONTENT_PARTS
+
+    part = {"type": "text", "text": "x"}
+    ChatCompletionRequest(messages=[{"role": "user", "content": [part] * MAX_CONTENT_PARTS}])
+    with pytest.raises(ValidationError, match=f"at most {MAX_CONTENT_PARTS} items"):
+        ChatCompletionRequest(
+            messages=[{"role": "user", "content": [part] * (MAX_CONTENT_PARTS + 1)}]
+        )
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]], ["a"] * 100_000])
+def test_a_list_of_several_prompts_is_refused_by_the_schema(prompt: list) -> None:
+    with pytest.raises(ValidationError, match=f"only one prompt per request.*got {len(prompt)}"):
+        CompletionRequest(prompt=prompt)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_prompt_token_ids_are_bounded(nested: bool) -> None:
+    from ddserve.serve.protocol import MAX_PROMPT_IDS
+
+    def prompt(n: int) -> list:
+        return [[1] * n] if nested else [1] * n
+
+    CompletionRequest(prompt=prompt(MAX_PROMPT_IDS))
+    with pytest.raises(ValidationError, match=f"at most {MAX_PROMPT_IDS} token ids"):
+        CompletionRequest(prompt=prompt(MAX_PROMPT_IDS + 1))
+
+
+def test_the_openapi_schema_states_the_list_bounds() -> None:
+    from ddserve.serve.protocol import MAX_MESSAGES, MAX_PROMPT_IDS
+
+    prompt = CompletionRequest.model_json_schema()["properties"]["prompt"]["anyOf"]
+    assert [b.get("maxItems") for b in prompt] == [None, MAX_PROMPT_IDS, 1, 1]
+    messages = ChatCompletionRequest.model_json_schema()["properties"]["messages"]
+    assert messages["maxItems"] == MAX_MESSAGES
+
+
+# ---- what the server cannot honour is a 400 naming the field --------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("logit_bias", {"50256": -100}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("top_logprobs", 2),
+    ],
+)
+def test_unsupported_openai_fields_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(ApiError) as e:
+        prepare_chat(ChatCompletionRequest(**CHAT, **{field: value}), "m", ByteTok(), 32)
+    assert (e.value.status, e.value.param) == (400, field)
+    assert f"'{field}' is not supported" in e.value.message
+    with pytest.raises(ApiError) as e:
+        prepare_completion(CompletionRequest(prompt="x", **{field: value}), "m", ByteTok(), 32)
+    assert (e.value.status, e.value.param) == (400, field)
+
+
+def test_unsupported_fields_at_their_no_op_values_are_served() -> None:
+    nothing = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+               "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "top_logprobs": 0, "functions": None, "function_call": "none"}  # fmt: skip
+    ids, _, _ = prepare_chat(ChatCompletionRequest(**CHAT, **nothing), "m", ByteTok(), 32)
+    assert ids
+
+
+def test_stream_options_without_stream_are_refused() -> None:
+    req = CompletionRequest(prompt="x", stream_options={"include_usage": True})
+    with pytest.raises(ApiError, match="only allowed when 'stream' is enabled") as e:
+        prepare_completion(req, "m", ByteTok(), 32)
+    assert e.value.param == "stream_options"
+    streamed = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True})
+    prepare_completion(streamed, "m", ByteTok(), 32)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_zero_token_limit_names_the_field_it_came_from(field: str) -> None:
+    with pytest.raises(ApiError) as e:
+        prepare_chat(ChatCompletionRequest(**CHAT, **{field: 0}), "m", ByteTok(), 32)
+    assert e.value.param == field and e.value.message.startswith(f"{field} must be at least 1")
+
+
+def test_an_unknown_model_is_not_echoed_whole() -> None:
+    with pytest.raises(ApiError) as e:
+        prepare_completion(CompletionRequest(prompt="x", model="g" * 100_000), "m", ByteTok(), 32)
+    assert e.value.status == 404 and len(e.value.message) < 200

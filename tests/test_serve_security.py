@@ -24,15 +24,6 @@ STARTUP_S = 240  # `serving on` on the busy 2-core machine (~35 s idle)
 KEY = f"sk-test-{secrets.token_hex(12)}"
 
 
-def _api_key_supported() -> bool:
-    from ddserve.serve.deployment import ServeConfig
-
-    return "api_key_env" in ServeConfig.model_fields
-
-
-NO_API_KEY = "ServeConfig has no api_key_env field yet (ddserve/serve/deployment.py)"
-
-
 def _serve_args(*flags: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *flags])
 
@@ -77,12 +68,9 @@ def test_the_worker_hook_moves_every_interface_binds_to_the_node_address(monkeyp
 
 @pytest.fixture(scope="module")
 def server():
-    """`ddserve serve` with DDSERVE_API_KEY in its environment (when the deployment can take a
-    key), in its own session: (url, session id, output lines, key or None)."""
-    key = KEY if _api_key_supported() else None
-    env = ddserve_env(**({API_KEY_ENV: key} if key else {}))
-    if not key:
-        env.pop(API_KEY_ENV, None)
+    """`ddserve serve` with DDSERVE_API_KEY in its environment, in its own session: (url,
+    session id, output lines, key)."""
+    env = ddserve_env(**{API_KEY_ENV: KEY})
     port = free_port()
     proc = subprocess.Popen([*ddserve_cmd(), "serve", "--port", str(port)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -99,7 +87,7 @@ def server():
     try:
         if not ready.wait(STARTUP_S):
             pytest.fail("server did not start:\n" + "".join(lines[-40:]))
-        yield f"http://127.0.0.1:{port}", proc.pid, lines, key
+        yield f"http://127.0.0.1:{port}", proc.pid, lines, KEY
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -128,8 +116,6 @@ def test_local_ray_and_gloo_listen_on_loopback_only(server) -> None:
 @pytest.mark.slow
 def test_without_the_key_the_api_answers_401_in_openai_shape(server) -> None:
     url, _, _, key = server
-    if key is None:
-        pytest.skip(NO_API_KEY)
     body = {"model": "ddserve-code-21m", "prompt": "def", "max_tokens": 2, "temperature": 0}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
         r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
@@ -141,8 +127,6 @@ def test_without_the_key_the_api_answers_401_in_openai_shape(server) -> None:
 @pytest.mark.slow
 def test_with_the_key_the_api_answers_and_health_is_open(server) -> None:
     url, _, _, key = server
-    if key is None:
-        pytest.skip(NO_API_KEY)
     auth = {"Authorization": f"Bearer {key}"}
     body = {"model": "ddserve-code-21m", "prompt": "def", "max_tokens": 2, "temperature": 0}
     r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120)
@@ -154,8 +138,6 @@ def test_with_the_key_the_api_answers_and_health_is_open(server) -> None:
 @pytest.mark.slow
 def test_the_key_is_never_printed(server) -> None:
     _, _, lines, key = server
-    if key is None:
-        pytest.skip(NO_API_KEY)
     text = "".join(lines)  # the CLI's output, Serve's and the replica's logs forwarded to it
     assert "API key required" in text
     assert key not in text

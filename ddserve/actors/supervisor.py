@@ -58,6 +58,8 @@ class SupervisedEngine(EngineClient):
         self.state = "starting"  # serving | rebuilding | failed
         self._cause = ""  # what failed, in user terms
         self._since = 0.0  # monotonic time the state began
+        self._attempt_since = 0.0  # monotonic time the current rebuild attempt began (back-off)
+        self._backoff_s = 0.0  # the current attempt's back-off
         self._generation = 0
         self._attempts = 0  # in the current streak of failures
         self._start_s = 0.0  # the last successful start's duration: the Retry-After estimate
@@ -97,6 +99,8 @@ class SupervisedEngine(EngineClient):
         extra = {"rebuilds_total": self.rebuilds, "engine_state": self.state}
         group = self._group
         if self.state != "serving" or group is None:
+            if self.state == "rebuilding":
+                extra["retry_after_s"] = self._retry_after()
             return {"healthy": False, "error": self._unavailable(), **extra}
         try:
             return {**await group.client.stats(), **extra}
@@ -155,6 +159,7 @@ class SupervisedEngine(EngineClient):
         log.error("the tensor-parallel group failed: %s; rebuilding it", cause)
         self._group, self._cause = None, cause
         self.state, self._since = "rebuilding", time.monotonic()
+        self._attempt_since, self._backoff_s = self._since, 0.0  # until the first attempt
         self._spawn(self._rebuild(group))
 
     async def _rebuild(self, old: Group) -> None:
@@ -166,8 +171,11 @@ class SupervisedEngine(EngineClient):
         timeout = max(4 * self._first_start_s, p.min_start_timeout_s)
         while self._attempts < p.attempts:
             self._attempts += 1
+            self._attempt_since = time.monotonic()
+            self._backoff_s = 0.0
             if self._attempts > 1:
-                await asyncio.sleep(min(p.backoff_s * 2 ** (self._attempts - 2), p.backoff_max_s))
+                self._backoff_s = min(p.backoff_s * 2 ** (self._attempts - 2), p.backoff_max_s)
+                await asyncio.sleep(self._backoff_s)
             log.warning("rebuild attempt %d of %d", self._attempts, p.attempts)
             try:
                 group = await self._start_group(timeout)
@@ -192,10 +200,13 @@ class SupervisedEngine(EngineClient):
         return group
 
     def _retry_after(self) -> float:
-        """Seconds until the engine is expected back: the last start's duration, less the
-        time the rebuild has run (at least 1)."""
-        elapsed = time.monotonic() - self._since if self.state == "rebuilding" else 0.0
-        return max(1.0, self._start_s - elapsed)
+        """Seconds until the engine is expected back (at least 1): while rebuilding, the current
+        attempt's back-off and the last successful start's duration, less the time the attempt
+        has run; otherwise a start's duration."""
+        if self.state != "rebuilding":
+            return max(1.0, self._start_s)
+        elapsed = time.monotonic() - self._attempt_since
+        return max(1.0, self._backoff_s + self._start_s - elapsed)
 
     def _unavailable(self) -> str:
         if self.state == "rebuilding":

@@ -9,7 +9,7 @@ Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}` (`dds
 for an unknown model or URL, 413 for a body over `max_body_bytes`, 429 + Retry-After when the
 queue is full, 503 + Retry-After when the engine failed. Prompts are tokenized and outputs
 detokenized on worker threads, so a large request never stalls the event loop (other streams,
-/health).
+/health); the app's lifespan shuts those threads down.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ddserve.actors.client import EngineClient, EngineDead, EngineError
 from ddserve.serve import errors, metrics
-from ddserve.serve.errors import engine_api_error, error_response
+from ddserve.serve.errors import engine_api_error, error_body, error_response
 from ddserve.serve.guards import ApiKeyGuard, BodyLimit
 from ddserve.serve.protocol import (
     ChatChoice,
@@ -41,7 +42,6 @@ from ddserve.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorInfo,
     ModelCard,
     ModelList,
     Usage,
@@ -107,6 +107,26 @@ TOKENIZE_THREADS, DETOKENIZE_THREADS = 4, 4
 OPEN_API = errors.responses  # shorthand for the routes' documented error codes
 
 
+class _Pool:
+    """A thread pool made on first use and shut down by the app's lifespan, so a replica or a
+    test that builds many apps keeps no idle threads (a later use makes a new pool)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._threads, self._name = threads, name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
+        return self._pool
+
+    def shutdown(self) -> None:
+        """Idle threads exit now, busy ones when their task is done; queued tasks are dropped."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(
     engine: EngineClient,
     model: ServedModel,
@@ -117,15 +137,24 @@ def create_app(
     (401 otherwise); None serves without authentication."""
     if api_key == "":  # an unset environment variable must not mean "the empty key"
         raise ValueError("api_key is empty: pass None to serve without a key")
-    app = FastAPI(title="ddserve", docs_url=None, redoc_url=None)
+    tokenize = _Pool(TOKENIZE_THREADS, "ddserve-tokenize")
+    detokenize = _Pool(DETOKENIZE_THREADS, "ddserve-detokenize")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            tokenize.shutdown()
+            detokenize.shutdown()
+
+    app = FastAPI(title="ddserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     counters = metrics.HttpCounters()
     errors.install(app, counters.finish)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, count=counters.finish)
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(ApiKeyGuard, api_key=api_key, count=counters.finish)
     auth = (401,) if api_key is not None else ()
-    tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ddserve-tokenize")
-    detokenize = ThreadPoolExecutor(DETOKENIZE_THREADS, thread_name_prefix="ddserve-detokenize")
 
     async def prepare(fn: Callable[..., T], req: Any) -> T:
         """`prepare_completion` / `prepare_chat` (they tokenize) on the tokenizer pool."""
@@ -139,22 +168,23 @@ def create_app(
             max_prompt_chars=limits.max_prompt_chars,
             max_prompt_tokens=limits.max_prompt_tokens,  # None: the context length
         )
-        return await asyncio.get_running_loop().run_in_executor(tokenize, call)
+        return await asyncio.get_running_loop().run_in_executor(tokenize.get(), call)
 
-    last_unhealthy = ""
+    last_unhealthy = ""  # the cause last logged; "" while healthy
 
     @app.get("/health", responses=OPEN_API(503))
     async def health() -> Response:
+        nonlocal last_unhealthy
         stats = await engine.stats()
-        if not stats.get("healthy", True):
-            nonlocal last_unhealthy
-            detail = str(stats.get("error") or "engine unhealthy")
-            if detail != last_unhealthy:  # once per new cause: probes poll this
-                log.error("unhealthy: %s", detail)
-                last_unhealthy = detail
-            err = ApiError(503, errors.ENGINE_FAILED, type="service_unavailable")
-            return error_response(err)
-        return JSONResponse({"status": "ok"})
+        if stats.get("healthy", True):
+            last_unhealthy = ""
+            return JSONResponse({"status": "ok"})
+        detail = str(stats.get("error") or "engine unhealthy")
+        if detail != last_unhealthy:  # once per outage and cause: probes poll this
+            log.error("unhealthy: %s", detail)
+            last_unhealthy = detail
+        # retry_after_s: the supervisor's estimate while it rebuilds the engine
+        return error_response(errors.engine_unavailable(stats.get("retry_after_s")))
 
     # /metrics needs the API key too when one is set: queue depth and token counts describe the
     # traffic, which is the key holders' business (scrapers send the Bearer header).
@@ -208,7 +238,7 @@ def create_app(
         )
 
     async def _start(rid: str, ids: list[int], params: Any, stops: list[str]) -> TextStream:
-        stream = TextStream(engine, model.tokenizer, rid, ids, params, stops, detokenize)
+        stream = TextStream(engine, model.tokenizer, rid, ids, params, stops, detokenize.get())
         try:
             await stream.start()
         except EngineError as e:
@@ -282,7 +312,7 @@ def create_app(
         except Exception:  # noqa: BLE001 - logged; the client gets an error event, not a cut
             log.exception("stream %s failed", stream.request_id)
             status = "failed"
-            yield _error_event(ApiError(500, errors.SERVER_ERROR, type="server_error"))
+            yield _error_event(errors.server_error())
         finally:
             counters.finish(status, stream.prompt_tokens, stream.completion_tokens)
             await stream.close()
@@ -291,8 +321,8 @@ def create_app(
 
 
 def _error_event(api: ApiError) -> str:
-    err = ErrorInfo(message=api.message, type=api.type, code=api.status)
-    return f"data: {json.dumps({'error': err.model_dump()})}\n\n"
+    """The error the HTTP body would have carried, as an SSE event (the status is already sent)."""
+    return f"data: {json.dumps(error_body(api), ensure_ascii=True)}\n\n"
 
 
 class BaseModelLike(Protocol):

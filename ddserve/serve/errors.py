@@ -33,17 +33,39 @@ ENGINE_RETRY_AFTER_S = 5  # a dead engine is replaced by Serve (or rebuilt) in s
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def error_response(err: ApiError) -> Response:
-    body = {
+def error_body(err: ApiError) -> dict[str, Any]:
+    """OpenAI's error object: the HTTP error's body, and an SSE error event's data."""
+    return {
         "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     }
+
+
+def error_response(err: ApiError) -> Response:
     # ASCII JSON: a message quoting client text with a lone surrogate still serializes
     return Response(
-        json.dumps(body, ensure_ascii=True),
+        json.dumps(error_body(err), ensure_ascii=True),
         status_code=err.status,
         headers=err.headers,
         media_type="application/json",
     )
+
+
+def engine_unavailable(expected: float | None = None) -> ApiError:
+    """503 + Retry-After. `expected`: seconds until a rebuild under way should finish, or None
+    (the engine failed; Serve or the rebuild replaces it in seconds)."""
+    retry = ENGINE_RETRY_AFTER_S if expected is None else max(1, round(expected))
+    message = ENGINE_FAILED if expected is None else ENGINE_RESTARTING.format(retry)
+    return ApiError(
+        503,
+        message,
+        type="service_unavailable",
+        code="service_unavailable",
+        headers={"Retry-After": str(retry)},
+    )
+
+
+def server_error() -> ApiError:
+    return ApiError(500, SERVER_ERROR, type="server_error", code="server_error")
 
 
 def engine_api_error(e: EngineError) -> ApiError:
@@ -54,17 +76,19 @@ def engine_api_error(e: EngineError) -> ApiError:
             429,
             f"The server is at capacity (request queue full); retry after {retry} s.",
             type="rate_limit_exceeded",
+            code="rate_limit_exceeded",
             headers={"Retry-After": str(retry)},
         )
     if isinstance(e, RequestRejected):  # the engine's own words about this request
         log.info("request rejected by the engine: %s", e)
-        return ApiError(400, f"The request cannot run on this server: {_first_line(str(e))}")
+        return ApiError(
+            400,
+            f"The request cannot run on this server: {_first_line(str(e))}",
+            code="request_rejected",
+        )
     log.error("engine failure (%s): %s", type(e).__name__, e)
     # EngineDead.retry_after: seconds until a rebuild under way is expected to finish, or None
-    expected = getattr(e, "retry_after", None)
-    retry = ENGINE_RETRY_AFTER_S if expected is None else max(1, round(expected))
-    message = ENGINE_FAILED if expected is None else ENGINE_RESTARTING.format(retry)
-    return ApiError(503, message, type="service_unavailable", headers={"Retry-After": str(retry)})
+    return engine_unavailable(getattr(e, "retry_after", None))
 
 
 def _first_line(text: str, limit: int = 300) -> str:
@@ -149,7 +173,7 @@ def install(app: FastAPI, count: Callable[[str], None]) -> None:
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         count("failed")
-        return error_response(ApiError(500, SERVER_ERROR, type="server_error"))
+        return error_response(server_error())
 
     _publish_real_codes(app)
 

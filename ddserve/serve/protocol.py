@@ -1,11 +1,14 @@
 """OpenAI-compatible request and response bodies (pydantic; the HTTP edge only).
 
 Requests accept unknown extra fields (clients send many we ignore). Anything we cannot honour
-(n > 1, logprobs, best_of, non-text content parts, tool roles) is rejected with a 400 naming the
-field, never silently ignored. Types are as strict as OpenAI's: booleans must be JSON booleans and
-integers JSON integers (`true`, `"5"` and `5.5` are refused), floats accept integers. Every text
-field must be valid Unicode (a lone surrogate is refused, `Text`). Responses follow the OpenAI
-wire format so the unmodified `openai` client parses them.
+(n > 1, logprobs, best_of, tools, a response_format, logit_bias, penalties, non-text content
+parts, tool roles; `ddserve.serve.requests` checks the fields) is rejected with a 400 naming the
+field, never silently ignored. Every list is bounded in the schema (`MAX_*`): requests are
+validated on the event loop, and pydantic stops at the first item past a list's bound. Types are
+as strict as OpenAI's: booleans must be JSON booleans and integers JSON integers (`true`, `"5"`
+and `5.5` are refused), floats accept integers. Every text field must be valid Unicode (a lone
+surrogate is refused, `Text`). Responses follow the OpenAI wire format so the unmodified `openai`
+client parses them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ class StreamOptions(_Request):
 
 
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
+# OpenAI documents no cap on messages. 4096 is more turns than any real conversation sends (a
+# 256k-token context holds 4096 messages of 64 tokens each), and validates in ~10 ms; unbounded,
+# the 500k empty messages that fit the 8 MiB body held the event loop for seconds.
+MAX_MESSAGES = 4096
+# Clients send a few parts per message (text, images); 256 is generous.
+MAX_CONTENT_PARTS = 256
+# Prompt token ids: 4x the longest context served (256k tokens). The context length is known only
+# when the app is created; the requests check it after validation.
+MAX_PROMPT_IDS = 1 << 20
 
 
 class _SamplingFields(_Request):
@@ -94,12 +106,33 @@ class _SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+PromptIds = Annotated[list[StrictInt], Field(max_length=MAX_PROMPT_IDS)]
+
+
 class CompletionRequest(_SamplingFields):
-    # A string, or one prompt given as token ids. A list of several prompts is rejected (n == 1).
-    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
+    # A string or token ids, alone or as a list of one: one prompt per request (n == 1).
+    prompt: (
+        Text
+        | PromptIds
+        | Annotated[list[Text], Field(max_length=1)]
+        | Annotated[list[PromptIds], Field(max_length=1)]
+    )
     echo: StrictBool = False
     suffix: Text | None = None
     best_of: StrictInt | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded(cls, v: Any) -> Any:
+        """The schema's list bounds, said plainly (the union's own errors list every branch)."""
+        if not isinstance(v, list) or not v:
+            return v
+        if len(v) > 1 and isinstance(v[0], str | list):
+            raise ValueError(f"only one prompt per request is supported, got {len(v)}")
+        ids = v[0] if isinstance(v[0], list) else v
+        if len(ids) > MAX_PROMPT_IDS:
+            raise ValueError(f"at most {MAX_PROMPT_IDS} token ids, got {len(ids)}")
+        return v
 
 
 # The roles a chat message may have. "developer" is OpenAI's newer name for instructions that
@@ -109,9 +142,12 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 TEMPLATE_ROLE = {"developer": "system"}
 
 
+ContentParts = Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
+
+
 class ChatMessage(_Request):
     role: Text
-    content: Text | list[dict[str, Any]] | None = None
+    content: Text | ContentParts | None = None
     name: Text | None = None
 
     @field_validator("role")
@@ -154,7 +190,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = None
 
     def requested_max_tokens(self) -> int | None:

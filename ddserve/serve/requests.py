@@ -19,6 +19,7 @@ from ddserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
+    quoted,
 )
 from ddserve.tokenizer import encode_prompt
 
@@ -45,11 +46,26 @@ class ApiError(Exception):
         self.param, self.code, self.headers = param, code, headers
 
 
+NO_TOOLS = "this server has no tool calling"
+# OpenAI fields this server cannot honour: (the values that ask for nothing, why another is refused)
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), NO_TOOLS),
+    "tool_choice": ((None, "none"), NO_TOOLS),
+    "functions": ((None, []), NO_TOOLS),
+    "function_call": ((None, "none"), NO_TOOLS),
+    "response_format": ((None, {"type": "text"}), 'only {"type": "text"} output is supported'),
+    "logit_bias": ((None, {}), "logit bias is not supported"),
+    "presence_penalty": ((None, 0), "penalties are not supported"),
+    "frequency_penalty": ((None, 0), "penalties are not supported"),
+    "top_logprobs": ((None, 0), "logprobs are not supported"),
+}
+
+
 def _check_common(req: _SamplingFields, served: str) -> None:
     if req.model is not None and req.model != served:
         raise ApiError(
             404,
-            f"The model '{req.model}' does not exist; this server serves '{served}'.",
+            f"The model {quoted(req.model)} does not exist; this server serves '{served}'.",
             param="model",
             code="model_not_found",
         )
@@ -57,6 +73,16 @@ def _check_common(req: _SamplingFields, served: str) -> None:
         raise ApiError(400, f"n={req.n} is not supported: only n=1.", param="n")
     if req.logprobs not in (None, False):
         raise ApiError(400, "logprobs are not supported.", param="logprobs")
+    extra = req.model_extra or {}
+    for field, (no_op, why) in UNSUPPORTED.items():
+        if extra.get(field) not in no_op:
+            raise ApiError(400, f"'{field}' is not supported: {why}.", param=field)
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(
+            400,
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
 
 
 def _check_chars(n_chars: int, max_chars: int | None, param: str) -> None:
@@ -81,8 +107,14 @@ def _check_tokens(n_prompt: int, max_tokens: int | None, param: str) -> None:
 
 
 def _params(
-    req: _SamplingFields, max_tokens: int | None, n_prompt: int, ctx: int, default_max: int | None
+    req: _SamplingFields,
+    max_tokens: int | None,
+    n_prompt: int,
+    ctx: int,
+    default_max: int | None,
+    max_param: str = "max_tokens",
 ) -> SamplingParams:
+    """`max_param`: the field `max_tokens` came from (chat: or `max_completion_tokens`)."""
     if n_prompt == 0:
         raise ApiError(400, "The prompt is empty.", param="prompt")
     if n_prompt >= ctx:
@@ -97,14 +129,14 @@ def _params(
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     if max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        raise ApiError(400, f"{max_param} must be at least 1, got {max_tokens}.", param=max_param)
     if max_tokens > room:
         raise ApiError(
             400,
-            f"max_tokens={max_tokens} is too large: the prompt has {n_prompt} "
+            f"{max_param}={max_tokens} is too large: the prompt has {n_prompt} "
             f"tokens and this model's maximum context length is {ctx} tokens, so at "
             f"most {room} can be generated.",
-            param="max_tokens",
+            param=max_param,
         )
     return SamplingParams(
         max_tokens=max_tokens,
@@ -147,11 +179,7 @@ def prepare_completion(
         raise ApiError(400, "best_of > 1 is not supported.", param="best_of")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ApiError(
-                400, f"Only one prompt per request is supported, got {len(prompt)}.", param="prompt"
-            )
-        prompt = prompt[0]
+        prompt = prompt[0]  # a list of one prompt (the schema refuses more)
     vocab = _vocab(tok, model_vocab)
     if isinstance(prompt, str):  # the offline engine's ids for the same text
         _check_chars(len(prompt), max_prompt_chars, "prompt")
@@ -191,5 +219,7 @@ def prepare_chat(
     vocab = _vocab(tok, model_vocab)
     _check_token_ids(ids, vocab, "messages")  # spelled specials can lie past the model's vocab
     _check_token_ids(list(req.stop_token_ids or ()), vocab, "stop_token_ids")
-    params = _params(req, req.requested_max_tokens(), len(ids), ctx, CHAT_DEFAULT_MAX_TOKENS)
+    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.requested_max_tokens()
+    params = _params(req, max_tokens, len(ids), ctx, CHAT_DEFAULT_MAX_TOKENS, given)
     return ids, params, req.stop_strings()
