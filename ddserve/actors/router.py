@@ -6,13 +6,17 @@ with QueueFull (the HTTP layer answers 429) only when `max_streams + max_queue` 
 the streams decoding and the requests waiting (a waiting request moves into a free stream slot at
 the next step, so a burst into an idle router fills the slots before it fills the queue).
 
-A dedicated thread runs the step loop: each iteration sends one Command to every shard (cancel
-aborted streams, admit queued ones, one prefill chunk, one decode step over the prefilled
-streams) and hands each stream's new tokens to its request's asyncio queue on the actor's event
-loop; idle, it sends an empty command every HEARTBEAT_S, so a dead shard is found without
-traffic. A failing shard marks the router dead: in-flight and queued requests fail with
-EngineDead at once, and so does every later request; `wait_failed` returns then (the replica's
-supervisor waits on it to rebuild the tensor-parallel group, supervisor.py).
+The requests are held by the engine's `Scheduler` (engine/scheduler.py, which the offline `LLM`
+runs too): admission up to `max_streams`, deferral when the KV pool is full, cancellation,
+finish handling and the decode step's tree budget (`BudgetPolicy`: fixed per bucket or tuned).
+A dedicated thread runs the step loop: each iteration the Scheduler plans one Command, which
+goes to every shard (cancel aborted streams, admit queued ones, one prefill chunk, one decode
+step over the prefilled streams); the Scheduler takes rank 0's result, and each stream's new
+tokens go to its request's asyncio queue on the actor's event loop; idle, it sends an empty
+command every HEARTBEAT_S, so a dead shard is found without traffic. A failing shard marks the
+router dead: in-flight and queued requests fail with EngineDead at once, and so does every later
+request; `wait_failed` returns then (the replica's supervisor waits on it to rebuild the
+tensor-parallel group, supervisor.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +36,7 @@ from ddserve.actors.startup import first_failure, one_line
 from ddserve.actors.stats import EngineStats
 from ddserve.actors.warmup import run_warmup, warmup_plan
 from ddserve.engine.config import check_batching
+from ddserve.engine.scheduler import BudgetPolicy, Request, Scheduler, StepReport
 from ddserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,28 +84,24 @@ class RouterConfig:
 
     def bucket(self, n: int) -> tuple[int, int]:
         """(padded batch size, tree budget) for n active streams."""
-        i = next(i for i, b in enumerate(self.buckets) if b >= n)
-        return self.buckets[i], (self.budgets[i] if self.budgets else self.shard.engine.budget)
+        return self.budget_policy().bucket(n)
 
-
-@dataclass
-class _Request:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    out: asyncio.Queue
-    started: bool = False  # the prefill emitted its first token
+    def budget_policy(self, tuner: BudgetTuner | None = None) -> BudgetPolicy:
+        """The Scheduler's budget choice: each bucket's fixed budget, or `tuner`'s choice."""
+        return BudgetPolicy(
+            budget=self.shard.engine.budget, buckets=self.buckets, budgets=self.budgets,
+            tuner=tuner,
+        )  # fmt: skip
 
 
 @dataclass
 class _Shared:
-    """State the event loop and the step thread share (guarded by `lock`)."""
+    """State the event loop and the step thread share (guarded by `lock`): the Scheduler, so
+    admission's count (`held`) and the queue it counts change together."""
 
+    sched: Scheduler
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
-    waiting: deque = field(default_factory=deque)  # _Request, arrival order
-    aborted: set = field(default_factory=set)
-    active: int = 0  # admitted streams (len of the Router's `_engine`, kept under the lock)
 
 
 class Router:
@@ -109,11 +109,11 @@ class Router:
         """`pg`: a ready placement group with one bundle per rank (`reserve_shards`)."""
         self.cfg, self._pg = cfg, pg
         self.info: dict = {}
-        self._s = _Shared()
-        self._engine: dict[str, _Request] = {}  # admitted streams (step thread only)
-        self._stats = EngineStats()
         cands = cfg.budget_candidates
         self._tuner = BudgetTuner(cands) if cands and cfg.speculative else None
+        # speculative is set once the shards report whether they hold a drafter (`_start`)
+        self._s = _Shared(Scheduler(cfg.max_streams, cfg.budget_policy(self._tuner), False))
+        self._stats = EngineStats()
         self._kv_used = 0
         self._error: str | None = None
         self._stopping = False
@@ -144,6 +144,7 @@ class Router:
         )
         self.info = {**infos[0], "speculative": self.cfg.speculative and infos[0]["speculative"]}
         t2 = time.perf_counter()
+        self._s.sched.speculative = self.info["speculative"]
         self._group = make_group(self.cfg.control, self._shards, self.cfg.step_timeout_s)
         if self.cfg.warmup:
             plan = warmup_plan(self.cfg, self.info)
@@ -210,29 +211,29 @@ class Router:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
         """Streaming: an empty ack once queued, then deltas; the last has finish_reason."""
-        req = _Request(request_id, list(prompt_ids), params, asyncio.Queue())
+        req = Request(request_id, list(prompt_ids), params, sink=asyncio.Queue())
         with self._s.lock:
             if self._error:
                 raise EngineDead(self._error)
-            held = self._s.active + len(self._s.waiting)
+            held = self._s.sched.held
             if held >= self.cfg.max_streams + self.cfg.max_queue:
                 raise QueueFull(f"the server is at capacity ({held} requests in progress)", 1.0)
-            self._s.waiting.append(req)
+            self._s.sched.add(req)
         self._s.wake.set()
         finished = False
         try:
             yield TokenDelta()
             while not finished:
-                item = await req.out.get()
+                item = await req.sink.get()
                 tokens, reason = [], None
                 while True:  # coalesce what is already there
                     if isinstance(item, Exception):
                         raise item
                     tokens += item.token_ids
                     reason = item.finish_reason
-                    if reason is not None or req.out.empty():
+                    if reason is not None or req.sink.empty():
                         break
-                    item = req.out.get_nowait()
+                    item = req.sink.get_nowait()
                 finished = reason is not None
                 yield TokenDelta(tokens, reason)
         finally:
@@ -241,17 +242,17 @@ class Router:
 
     async def abort(self, request_id: str) -> None:
         with self._s.lock:
-            self._s.aborted.add(request_id)
+            self._s.sched.abort(request_id)
         self._s.wake.set()
 
     async def stats(self) -> dict:
         with self._s.lock:
-            queued = len(self._s.waiting)
+            queued, active = len(self._s.sched.waiting), len(self._s.sched.active)
         return {
             "healthy": self._error is None,
             "error": self._error,
             "queue_depth": queued,
-            "active_streams": len(self._engine),
+            "active_streams": active,
             "kv_slots_used": self._kv_used,
             "kv_slots_total": self.cfg.shard.engine.num_slots,
             "control": self.cfg.control,
@@ -278,58 +279,20 @@ class Router:
             self._apply(cmd, res, time.perf_counter() - t0)
 
     def _next_command(self) -> Command | None:
-        with self._s.lock:  # admission counts `active`: it changes with `_engine`, at once
-            aborted, self._s.aborted = self._s.aborted, set()
-            if aborted:
-                self._s.waiting = deque(r for r in self._s.waiting if r.rid not in aborted)
-            cancel = [rid for rid in aborted if self._engine.pop(rid, None) is not None]
-            room = self.cfg.max_streams - len(self._engine)  # cancels run before admissions
-            add = [self._s.waiting.popleft() for _ in range(min(room, len(self._s.waiting)))]
-            step = [rid for rid, r in self._engine.items() if r.started]
-            pending = len(step) < len(self._engine) or bool(add)
-            self._engine.update((r.rid, r) for r in add)
-            self._s.active = len(self._engine)
-        if not (cancel or add or pending or step):
-            return None
-        bucket, budget = self.cfg.bucket(max(len(step), 1))
-        if self._tuner is not None and step:
-            # keyed by the real batch size: steps are not padded, so a bucket's batches differ
-            budget = self._tuner.choose(len(step))
-        return Command(
-            cancel=tuple(cancel),
-            add=tuple((r.rid, r.prompt, r.params) for r in add),
-            prefill=pending,
-            step=tuple(step),
-            speculative=self.info["speculative"],
-            bucket=bucket,
-            budget=budget,
-        )
+        with self._s.lock:
+            return self._s.sched.plan()
 
     def _apply(self, cmd: Command, res: CommandResult, wall_s: float) -> None:
-        for rid, reason in res.rejected.items():
-            self._deliver(self._engine.pop(rid), RequestRejected(reason))
-        if res.deferred:
-            self._stats.deferred += len(res.deferred)
-            back = [self._engine.pop(rid) for rid in res.deferred]
-            with self._s.lock:
-                self._s.waiting.extendleft(reversed(back))
-        for rid, out in res.outputs.items():
-            req = self._engine.get(rid)
-            if req is None:
-                continue  # cancelled meanwhile
-            req.started = True
+        with self._s.lock:  # deferred streams move from active back to the queue at once
+            report: StepReport = self._s.sched.apply(cmd, res)
+        for req, reason in report.rejected:
+            self._deliver(req, RequestRejected(reason))
+        self._stats.deferred += report.deferred
+        for req, out in report.outputs:
             self._deliver(req, TokenDelta(list(out.tokens), out.finished))
-            if out.finished:
-                del self._engine[rid]
-        with self._s.lock:  # streams only left `_engine` above: `active` was never too low
-            self._s.active = len(self._engine)
         self._kv_used = res.kv_slots_used
-        if cmd.step:
-            committed = sum(len(res.outputs[r].tokens) for r in cmd.step if r in res.outputs)
-            self._stats.record_step(len(cmd.step), committed, wall_s, res.busy_s)
-            if self._tuner is not None and cmd.speculative:
-                per_stream = committed / len(cmd.step)
-                self._tuner.record(len(cmd.step), cmd.budget, per_stream, res.step_s)
+        if report.step_streams:
+            self._stats.record_step(report.step_streams, report.committed, wall_s, res.busy_s)
 
     def _bucket_budgets(self) -> dict[int, int]:
         """batch size -> the tree budget its steps use now: fixed per bucket (keyed by the bucket
@@ -340,18 +303,15 @@ class Router:
             return self._tuner.snapshot()
         return {b: self.cfg.bucket(b)[1] for b in self.cfg.buckets}
 
-    def _deliver(self, req: _Request, item: TokenDelta | Exception) -> None:
-        self._loop.call_soon_threadsafe(req.out.put_nowait, item)
+    def _deliver(self, req: Request, item: TokenDelta | Exception) -> None:
+        self._loop.call_soon_threadsafe(req.sink.put_nowait, item)
 
     def _fail(self, e: Exception) -> None:
         import ray
 
         with self._s.lock:  # what clients see; the details (actor ids, pids, ...) are logged
             self._error = "a tensor-parallel shard failed"
-            doomed = list(self._engine.values()) + list(self._s.waiting)
-            self._s.waiting.clear()
-            self._engine.clear()
-            self._s.active = 0
+            doomed = self._s.sched.drain()
         log.error("router: a shard failed (%s); failing %d requests", one_line(e), len(doomed))
         for req in doomed:
             self._deliver(req, EngineDead(self._error))

@@ -1,8 +1,8 @@
 """ShardWorker: one tensor-parallel rank (a ModelRunner) in a Ray actor, driven by commands.
 
-Every rank receives the same `Command` each iteration and applies it in the same order (cancel,
-admit, prefill, decode step), so the ranks' collectives pair up and their bookkeeping stays
-identical; rank 0 returns the `CommandResult`, the others return None. The communicator is set
+Every rank receives the same `Command` (planned by the Router's `Scheduler`) each iteration and
+applies it with `engine.command.apply_command`, as the offline LLM's ranks do; rank 0 returns the
+`CommandResult`, the others return None. The communicator is set
 up through Ray: rank 0 creates the gloo address (CPU) or the NCCL unique id (GPU) and the
 Router hands it to every rank (`setup`), which then build their comm and load the model together.
 """
@@ -10,15 +10,13 @@ Router hands it to every rank (`setup`), which then build their comm and load th
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddserve.engine.command import Command, CommandResult, apply_command
 from ddserve.engine.config import EngineConfig
-from ddserve.engine.stream import StepOutput
-from ddserve.kvcache import OutOfSlots
-from ddserve.sampling import SamplingParams
+
+__all__ = ["Command", "CommandResult", "ShardSpec", "ShardWorker"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,32 +29,6 @@ class ShardSpec:
     drafter_path: str | None = None
     device: str = "cpu"
     engine: EngineConfig = field(default_factory=EngineConfig)
-
-
-@dataclass(frozen=True)
-class Command:
-    """One iteration of the step loop. `step` lists prefilled streams; `speculative` picks
-    ddtree_step over ar_step; `bucket`/`budget` are the padded batch size and its tree budget
-    (0: the empty tree, a plain step, which the budget tuner picks where drafting does not pay)."""
-
-    cancel: tuple[Hashable, ...] = ()
-    add: tuple[tuple[Hashable, list[int], SamplingParams], ...] = ()
-    prefill: bool = False
-    step: tuple[Hashable, ...] = ()
-    speculative: bool = False
-    bucket: int = 0
-    budget: int = 0
-
-
-@dataclass
-class CommandResult:
-    admitted: list[Hashable] = field(default_factory=list)
-    rejected: dict[Hashable, str] = field(default_factory=dict)  # can never run: reason
-    deferred: list[Hashable] = field(default_factory=list)  # out of KV slots for now: re-queue
-    outputs: dict[Hashable, StepOutput] = field(default_factory=dict)
-    step_s: float = 0.0  # time in the decode step
-    busy_s: float = 0.0  # time in the whole command
-    kv_slots_used: int = 0
 
 
 class ShardWorker:
@@ -112,31 +84,5 @@ class ShardWorker:
         }
 
     def execute(self, cmd: Command) -> CommandResult | None:
-        t0 = time.perf_counter()
-        runner, res = self.runner, CommandResult()
-        for sid in cmd.cancel:
-            runner.cancel(sid)
-        for i, (sid, prompt, params) in enumerate(cmd.add):
-            try:
-                runner.add_stream(sid, prompt, params)
-                res.admitted.append(sid)
-            except OutOfSlots as e:
-                if not runner.streams:  # an empty engine cannot hold it: it never will
-                    res.rejected[sid] = f"request does not fit in the KV cache: {e}"
-                    continue
-                res.deferred.extend(s for s, _, _ in cmd.add[i:])  # keep arrival order
-                break
-            except ValueError as e:
-                res.rejected[sid] = str(e)
-        if cmd.prefill:
-            res.outputs.update(runner.prefill(max_chunks=1))
-        if cmd.step:
-            t1 = time.perf_counter()
-            if cmd.speculative:
-                res.outputs.update(runner.ddtree_step(list(cmd.step), cmd.budget))  # 0: plain step
-            else:
-                res.outputs.update(runner.ar_step(list(cmd.step)))
-            res.step_s = time.perf_counter() - t1
-        res.kv_slots_used = self.spec.engine.num_slots - runner.free_slots
-        res.busy_s = time.perf_counter() - t0
+        res = apply_command(self.runner, cmd)
         return res if self.rank == 0 else None

@@ -2,7 +2,8 @@
 
 A bigger tree commits more tokens per step but makes the step dearer (more distinct experts to
 stream, more attention rows); where the balance lies depends on the drafter's acceptance on the
-live traffic and on the step cost at that batch size, so it is measured, not assumed. Any budget is lossless, so switching changes speed only, never outputs.
+live traffic and on the step cost at that batch size, so it is measured, not assumed. Any budget
+is lossless, so switching changes speed only, never outputs.
 
 Budget 0 is the empty tree: the step verifies the root alone, i.e. plain autoregressive decoding
 with no draft (`ModelRunner.ddtree_step(sids, 0)`). It is a candidate unless `plain=False`, so

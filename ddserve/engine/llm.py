@@ -6,16 +6,18 @@ import logging
 import random
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddserve.drafter.base import Drafter
-from ddserve.engine.budget import BudgetTuner, default_candidates, tokens_at_budgets
+from ddserve.engine.budget import BudgetTuner, default_candidates
+from ddserve.engine.command import TOO_BIG, Command, CommandResult, apply_command
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.runner import ModelRunner
+from ddserve.engine.scheduler import BudgetPolicy, Request, Scheduler, StepReport, run_until_done
 from ddserve.kvcache import OutOfSlots
 from ddserve.sampling import SamplingParams
 
@@ -105,11 +107,6 @@ class LLM:
         self.tokenizer = _load_tokenizer(self.model_path)
         self.tuner = offline_tuner(budget) if tune_budget else None
 
-    def _call(self, name: str, *args: Any) -> Any:
-        if self._group is not None:
-            return self._group.call(name, *args)
-        return getattr(self.runner, name)(*args)
-
     @property
     def free_slots(self) -> int:
         return self.runner.free_slots
@@ -147,23 +144,14 @@ class LLM:
             log.warning("generate(speculative=True) without a drafter: decoding autoregressively")
         spec = speculative and self.runner.drafter is not None
         forwards0 = self.runner.target_forwards
-        queue, active = deque(range(len(outs))), {}
-        while queue or active:
-            while queue and len(active) < self.max_streams:
-                i, sid = queue[0], self._new_sid()
-                try:
-                    self._call("add_stream", sid, outs[i].prompt_token_ids, plist[i])
-                except OutOfSlots:
-                    if not active:
-                        raise
-                    break
-                queue.popleft()
-                active[sid] = i
-            self._collect(self._call("prefill"), active, outs)
-            ready = [s for s in active if self.runner.streams[s].prefilled]
-            if ready:
-                step_outs, used = self._decode(ready, spec, budget)
-                self._collect(step_outs, active, outs, used)
+        sched = Scheduler(self.max_streams, self._policy(spec, budget), spec, prefill_chunks=None)
+        for o, p in zip(outs, plist, strict=True):
+            sched.add(Request(self._new_sid(), o.prompt_token_ids, p, sink=o))
+        try:
+            run_until_done(sched, self._execute, _collect)
+        finally:  # an error leaves no stream behind (a rejected request raises mid-batch)
+            if sched.active:
+                self._execute(Command(cancel=tuple(sched.active)))
         forwards = self.runner.target_forwards - forwards0
         for o in outs:
             o.stats["target_forwards"] = forwards
@@ -171,45 +159,27 @@ class LLM:
                 o.text = self.tokenizer.decode(o.token_ids)
         return outs
 
-    def _decode(self, sids: list, speculative: bool, budget: int | None) -> tuple[dict, int]:
-        """One decode step and its tree budget (0: plain): plain when not speculative, else
-        `budget` if given, else the tuner's choice (timed for the tuner) or the engine's."""
-        if not speculative:
-            return self._call("ar_step", sids), 0
-        # a sampled stream's tokens depend on the tree (lossless in distribution, not token for
-        # token), so only greedy batches are tuned: seeded sampling stays reproducible
-        greedy = all(self.runner.streams[s].params.greedy for s in sids)
-        if budget is not None or self.tuner is None or not greedy:
-            budget = self.runner.cfg.budget if budget is None else budget
-            return self._call("ddtree_step", sids, budget), budget
-        budget = self.tuner.choose(len(sids))
-        t0 = time.perf_counter()
-        outs = self._call("ddtree_step", sids, budget)
-        seconds = time.perf_counter() - t0
-        committed = sum(len(o.tokens) for o in outs.values()) / len(sids)
-        tokens_at = tokens_at_budgets(outs.values(), budget, self.tuner.candidates)
-        full = min(budget, self.runner.drafter.depth)  # the deepest node a budget-b tree has
-        saturated = budget > 0 and any(len(o.accepted_rows) >= full for o in outs.values())
-        self.tuner.record(len(sids), budget, committed, seconds, tokens_at, saturated)
-        return outs, budget
+    def _policy(self, speculative: bool, budget: int | None) -> BudgetPolicy:
+        """Plain steps when not speculative; else `budget` if given, else the tuner's choice
+        (or the engine's budget without a tuner). A sampled stream's tokens depend on the tree
+        (lossless in distribution, not token for token), so only greedy batches are tuned:
+        seeded sampling stays reproducible."""
+        tuned = speculative and budget is None and self.tuner is not None
+        return BudgetPolicy(
+            budget=self.runner.cfg.budget if budget is None else budget,
+            tuner=self.tuner if tuned else None,
+            greedy_only=True,
+            depth=self.runner.drafter.depth if speculative else None,
+        )
+
+    def _execute(self, cmd: Command) -> CommandResult:
+        if self._group is not None:
+            return self._group.run(cmd)
+        return apply_command(self.runner, cmd)
 
     def _new_sid(self) -> int:
         self._next_sid += 1
         return self._next_sid
-
-    def _collect(self, step_outs: dict, active: dict, outs: list, budget: int | None = None):
-        """Tokens into outputs; a decode step (`budget` given) also into the per-step stats."""
-        for sid, so in step_outs.items():
-            o = outs[active[sid]]
-            o.token_ids.extend(so.tokens)
-            if budget is not None:
-                c = o.stats.setdefault("committed_per_step", [])
-                c.append(len(so.tokens))
-                o.stats.setdefault("budget_per_step", []).append(budget)
-                o.stats["steps"], o.stats["mean_committed"] = len(c), sum(c) / len(c)
-            if so.finished:
-                o.finish_reason = so.finished
-                del active[sid]
 
     def close(self) -> None:
         if self._group is not None:
@@ -223,6 +193,25 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _collect(cmd: Command, report: StepReport) -> None:
+    """Tokens into each request's output; a decode step's also into its per-step stats (budget
+    0: a plain step). A rejected request raises: OutOfSlots when it cannot fit an empty engine,
+    ValueError when the runner refuses it."""
+    for _req, reason in report.rejected:
+        raise (OutOfSlots if reason.startswith(TOO_BIG) else ValueError)(reason)
+    stepped = set(cmd.step)
+    for req, so in report.outputs:
+        o = req.sink
+        o.token_ids.extend(so.tokens)
+        if req.sid in stepped:
+            c = o.stats["committed_per_step"]
+            c.append(len(so.tokens))
+            o.stats["budget_per_step"].append(cmd.budget if cmd.speculative else 0)
+            o.stats["steps"], o.stats["mean_committed"] = len(c), sum(c) / len(c)
+        if so.finished:
+            o.finish_reason = so.finished
 
 
 def offline_tuner(budget: int) -> BudgetTuner:

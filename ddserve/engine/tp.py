@@ -1,6 +1,7 @@
 """Tensor parallelism for the offline API on one host: rank 0 in this process, ranks 1..tp-1 in
-spawned worker processes. Each worker holds its own ModelRunner and replays rank 0's calls in
-order; the model's collectives keep the ranks in lockstep: gloo on CPU, CuPy NCCL on GPUs (rank r
+spawned worker processes. Each worker holds its own ModelRunner and applies the same scheduler
+Commands as rank 0, in order (`command.apply_command`); the model's collectives keep the ranks
+in lockstep: gloo on CPU, CuPy NCCL on GPUs (rank r
 on cuda:r, the NCCL id made here and handed to the workers)."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import traceback
 from typing import Any
 
 from ddserve.distributed import Communicator, GlooComm, gloo_listener
+from ddserve.engine.command import Command, CommandResult, apply_command
 from ddserve.engine.runner import default_device
-from ddserve.kvcache import OutOfSlots
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,9 @@ def _worker(rank: int, world: int, init: str | bytes, runner_kwargs: dict, inbox
     comm = _connect(rank, world, init, runner_kwargs)
     try:
         runner = ModelRunner(comm=comm, **runner_kwargs)
-        while True:
-            name, args = inbox.get()
-            if name == "close":
-                runner.close()  # graphs go before the communicator (NCCL waits for them)
-                break
-            try:
-                getattr(runner, name)(*args)
-            except OutOfSlots:  # rank 0 sees the same and handles it
-                pass
+        while (cmd := inbox.get()) is not None:  # None: close
+            apply_command(runner, cmd)
+        runner.close()  # graphs go before the communicator (NCCL waits for them)
     except Exception:
         traceback.print_exc()
         raise
@@ -65,7 +60,7 @@ def _worker(rank: int, world: int, init: str | bytes, runner_kwargs: dict, inbox
 
 
 class TPGroup:
-    """Starts the workers and fans every runner call out to them before running it locally."""
+    """Starts the workers; `run` fans every Command out to them before applying it locally."""
 
     def __init__(self, tp: int, runner_kwargs: dict) -> None:
         from ddserve.engine.runner import ModelRunner
@@ -93,15 +88,15 @@ class TPGroup:
         self.comm: Communicator = _connect(0, tp, init, runner_kwargs, listener)
         self.runner = ModelRunner(comm=self.comm, **runner_kwargs)
 
-    def call(self, name: str, *args: Any) -> Any:
+    def run(self, cmd: Command) -> CommandResult:
         for q in self._inboxes:
-            q.put((name, args))
-        return getattr(self.runner, name)(*args)
+            q.put(cmd)
+        return apply_command(self.runner, cmd)
 
     def close(self) -> None:
         self.runner.close()
         for q in self._inboxes:
-            q.put(("close", ()))
+            q.put(None)
         for p in self._procs:
             p.join(timeout=30)
             if p.is_alive():

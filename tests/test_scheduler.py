@@ -1,0 +1,198 @@
+"""The Scheduler (engine/scheduler.py) with a fake executor: admission, deferral when the KV pool
+is full, cancellation, finish handling and the decode step's budget. No model."""
+
+from __future__ import annotations
+
+from ddserve.engine.budget import BudgetTuner
+from ddserve.engine.command import Command, CommandResult
+from ddserve.engine.scheduler import BudgetPolicy, Request, Scheduler, run_until_done
+from ddserve.engine.stream import StepOutput
+from ddserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=3)
+
+
+class FakeExecutor:
+    """A KV pool of `slots`: a stream holds `len(prompt)` slots from admission until it ends.
+    Prefill emits token 0; each decode step emits one token per stream (two when speculative
+    with a budget > 0), up to max_tokens."""
+
+    def __init__(self, slots: int = 100) -> None:
+        self.free, self.streams, self.commands = slots, {}, []
+
+    def __call__(self, cmd: Command) -> CommandResult:
+        self.commands.append(cmd)
+        res = CommandResult()
+        for sid in cmd.cancel:
+            self._release(sid)
+        for i, (sid, prompt, params) in enumerate(cmd.add):
+            if len(prompt) > self.free:
+                if not self.streams:
+                    res.rejected[sid] = "too big"
+                    continue
+                res.deferred.extend(s for s, _, _ in cmd.add[i:])
+                break
+            self.free -= len(prompt)
+            self.streams[sid] = [len(prompt), params.max_tokens, 0]
+            res.admitted.append(sid)
+        if cmd.prefill:
+            for sid, st in self.streams.items():
+                if st[2] == 0:
+                    res.outputs[sid] = self._emit(sid, 1)
+        per_step = 2 if cmd.speculative and cmd.budget > 0 else 1
+        for sid in cmd.step:
+            res.outputs[sid] = self._emit(sid, per_step)
+        for sid, out in res.outputs.items():
+            if out.finished:
+                self._release(sid)
+        res.step_s = 0.01 if cmd.step else 0.0
+        return res
+
+    def _emit(self, sid, n: int) -> StepOutput:
+        st = self.streams[sid]
+        n = min(n, st[1] - st[2])
+        st[2] += n
+        return StepOutput(list(range(n)), "length" if st[2] >= st[1] else None)
+
+    def _release(self, sid) -> None:
+        st = self.streams.pop(sid, None)
+        if st is not None:
+            self.free += st[0]
+
+
+def _sched(max_streams: int = 2, **policy) -> Scheduler:
+    return Scheduler(max_streams, BudgetPolicy(budget=8, **policy), speculative=True)
+
+
+def _req(sid: str, prompt_len: int = 10, params: SamplingParams = GREEDY) -> Request:
+    return Request(sid, [1] * prompt_len, params)
+
+
+def _step(sched: Scheduler, ex: FakeExecutor):
+    cmd = sched.plan()
+    return cmd, (sched.apply(cmd, ex(cmd)) if cmd is not None else None)
+
+
+def test_admits_up_to_max_streams_and_the_rest_wait_in_order() -> None:
+    sched = _sched(max_streams=2)
+    for sid in "abc":
+        sched.add(_req(sid))
+    cmd, _ = _step(sched, FakeExecutor())
+    assert [a[0] for a in cmd.add] == ["a", "b"] and cmd.prefill and not cmd.step
+    assert list(sched.active) == ["a", "b"] and [r.sid for r in sched.waiting] == ["c"]
+    assert sched.held == 3
+
+
+def test_streams_decode_from_the_iteration_after_their_first_token() -> None:
+    sched, ex = _sched(), FakeExecutor()
+    sched.add(_req("a"))
+    _step(sched, ex)
+    cmd, report = _step(sched, ex)
+    assert cmd.step == ("a",) and not cmd.add and not cmd.prefill
+    assert report.step_streams == 1 and report.committed == 2
+
+
+def test_out_of_kv_slots_defers_to_the_front_of_the_queue_without_double_counting() -> None:
+    sched, ex = _sched(max_streams=3), FakeExecutor(slots=25)
+    for sid in "abc":
+        sched.add(_req(sid))
+    cmd, report = _step(sched, ex)  # a and b fit; c does not
+    assert [a[0] for a in cmd.add] == ["a", "b", "c"]
+    assert report.deferred == 1 and list(sched.active) == ["a", "b"]
+    assert [r.sid for r in sched.waiting] == ["c"] and sched.held == 3
+    sched.add(_req("d"))
+    cmd, _ = _step(sched, ex)
+    assert [a[0] for a in cmd.add] == ["c"]  # retried first, before later arrivals
+
+
+def test_a_request_too_big_for_an_empty_engine_is_rejected() -> None:
+    sched, ex = _sched(), FakeExecutor(slots=5)
+    sched.add(_req("a"))
+    _, report = _step(sched, ex)
+    assert [(r.sid, why) for r, why in report.rejected] == [("a", "too big")]
+    assert not sched.busy
+
+
+def test_abort_cancels_before_admission_so_the_slot_is_reused_in_the_same_step() -> None:
+    sched, ex = _sched(max_streams=1), FakeExecutor(slots=10)
+    sched.add(_req("a"))
+    sched.add(_req("b"))
+    _step(sched, ex)
+    sched.abort("a")
+    cmd, report = _step(sched, ex)
+    assert cmd.cancel == ("a",) and [a[0] for a in cmd.add] == ["b"] and report.deferred == 0
+    assert list(sched.active) == ["b"] and sched.held == 1
+
+
+def test_abort_of_a_waiting_request_drops_it_without_a_cancel() -> None:
+    sched = _sched(max_streams=1)
+    for sid in "ab":
+        sched.add(_req(sid))
+    sched.abort("b")
+    cmd, _ = _step(sched, FakeExecutor())
+    assert cmd.cancel == () and not sched.waiting and sched.held == 1
+
+
+def test_outputs_after_an_abort_are_dropped() -> None:
+    sched, ex = _sched(), FakeExecutor()
+    sched.add(_req("a"))
+    cmd = sched.plan()
+    res = ex(cmd)
+    sched.abort("a")
+    sched.plan()  # the abort is taken before the result comes back
+    assert sched.apply(cmd, res).outputs == []
+
+
+def test_finished_streams_leave_and_free_room() -> None:
+    sched, ex = _sched(max_streams=1), FakeExecutor()
+    sched.add(_req("a", params=SamplingParams(max_tokens=1)))
+    sched.add(_req("b"))
+    _, report = _step(sched, ex)
+    assert [(r.sid, o.finished) for r, o in report.outputs] == [("a", "length")]
+    assert not sched.active
+    cmd, _ = _step(sched, ex)
+    assert [a[0] for a in cmd.add] == ["b"]
+
+
+def test_fixed_budget_per_bucket() -> None:
+    policy = BudgetPolicy(budget=8, buckets=(1, 2, 4), budgets=(8, 6, 4))
+    assert [policy.bucket(n) for n in (1, 2, 3, 4)] == [(1, 8), (2, 6), (4, 4), (4, 4)]
+    assert BudgetPolicy(budget=8).bucket(3) == (3, 8)
+
+
+def test_the_tuner_chooses_by_batch_size_and_records_speculative_steps() -> None:
+    tuner = BudgetTuner((4, 8), warmup=1)
+    sched, ex = _sched(tuner=tuner), FakeExecutor()
+    sched.add(_req("a", params=SamplingParams(max_tokens=20)))
+    _step(sched, ex)
+    cmd, _ = _step(sched, ex)
+    assert cmd.budget == 8  # warm-up: the largest candidate first
+    cmd, _ = _step(sched, ex)
+    assert cmd.budget == 4
+    assert tuner.rates(1)[8] > 0 and tuner.rates(1)[4] > 0
+
+
+def test_greedy_only_tuning_gives_sampled_batches_the_fixed_budget() -> None:
+    tuner = BudgetTuner((4,), warmup=1)
+    sched, ex = _sched(tuner=tuner, greedy_only=True), FakeExecutor()
+    sched.add(_req("a", params=SamplingParams(max_tokens=20, temperature=1.0, seed=1)))
+    _step(sched, ex)
+    cmd, _ = _step(sched, ex)
+    assert cmd.budget == 8 and tuner.rates(1) == {0: 0.0, 4: 0.0}
+
+
+def test_run_until_done_admits_and_prefills_then_steps_the_started_streams() -> None:
+    sched, ex = Scheduler(2, BudgetPolicy(budget=0), False, prefill_chunks=None), FakeExecutor()
+    for sid in "abc":
+        sched.add(_req(sid))
+    got: dict[str, int] = {}
+
+    def collect(cmd, report) -> None:
+        for req, out in report.outputs:
+            got[req.sid] = got.get(req.sid, 0) + len(out.tokens)
+
+    run_until_done(sched, ex, collect)
+    assert got == {"a": 3, "b": 3, "c": 3} and not ex.streams
+    first, second = ex.commands[:2]
+    assert first.add and first.prefill_chunks is None and not first.step
+    assert second.step == ("a", "b") and not second.add  # started by the prefill just before
