@@ -196,3 +196,10 @@ def test_run_until_done_admits_and_prefills_then_steps_the_started_streams() -> 
     first, second = ex.commands[:2]
     assert first.add and first.prefill_chunks is None and not first.step
     assert second.step == ("a", "b") and not second.add  # started by the prefill just before
+
+
+def test_no_prefill_is_planned_once_every_stream_has_its_first_token() -> None:
+    sched, ex = _sched(), FakeExecutor()
+    sched.add(_req("a"))
+    _step(sched, ex)
+    assert sched.plan(step=False) is None

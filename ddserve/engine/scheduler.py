@@ -152,8 +152,9 @@ class Scheduler:
         if admit:  # cancels run before admissions: their room counts
             room = self.max_streams - len(self.active)
             add = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        stepping = [r for r in self.active.values() if r.started] if step else []
-        pending = prefill and (len(stepping) < len(self.active) or bool(add))
+        started = [r for r in self.active.values() if r.started]
+        pending = prefill and (len(started) < len(self.active) or bool(add))
+        stepping = started if step else []
         self.active.update((r.sid, r) for r in add)
         if not (cancel or add or pending or stepping):
             return None
