@@ -375,8 +375,10 @@ def test_a_killed_shard_is_rebuilt_while_clients_get_fast_503s(server, model_nam
     assert failed, "no request saw the rebuild"  # a rebuild reloads the weights: seconds
     assert {p["status"] for p in failed} == {503}, failed  # 0 would be a hang (no answer in 5 s)
     assert all(int(p["retry_after"]) >= 1 for p in failed)
+    # Fast, not waiting on the rebuild (9-13 s here): the new shards import torch and load
+    # weights on the same 2 cores meanwhile, so allow a loaded CI machine's jitter.
     answers = sorted(p["answer_s"] for p in failed)
-    assert answers[-1] < 2.0 and answers[len(answers) // 2] < 0.5, answers
+    assert answers[-1] < 4.0 and answers[len(answers) // 2] < 1.0, answers
     assert r["first_success_s"] is not None and r["first_success_s"] < RECOVERY_S
     assert r["after"] == {"routers": 1, "shards": 2}
     assert httpx.get(f"{url}/health").status_code == 200
