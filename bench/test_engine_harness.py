@@ -1,6 +1,6 @@
 """Unit tests of the engine benchmark's harness (bench/engine_runs.py, engine_model.py,
 bench_engine.py's configuration loop). They import bench/ modules, so they live here, not in
-tests/ (tests/test_bench_engine.py runs the benchmark as a program). CPU, a few seconds:
+tests/ (tests/core/test_bench_engine.py runs the benchmark as a program). CPU, a few seconds:
 
     OMP_NUM_THREADS=1 python -m pytest bench/test_engine_harness.py -q
 """

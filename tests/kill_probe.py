@@ -1,6 +1,6 @@
 """Fault injection against a running `ddserve serve` on this machine: kill -9 one of its Ray
 processes (the Router actor's, or a ShardWorker's) under an open stream, then probe until it
-serves again. Used by tests/test_serve_e2e.py and by bench/recovery.py (the CLI that records
+serves again. Used by tests/serve/test_serve_e2e.py and by bench/recovery.py (the CLI that records
 the figures in BENCHMARKS.md); `measure_kill`'s result is described there.
 """
 

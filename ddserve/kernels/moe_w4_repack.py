@@ -6,7 +6,7 @@ each thread's R words contiguous (four 16-byte loads), followed in a second tens
 BN * 4 bf16 scales (2 NREP contiguous per thread). Which weight each nibble holds is defined by
 the kernel's own tensor program (`_a_tile`, `_x_tile`, the scale split and repeat), which this
 module replays on index tensors (`kernel_maps`): so the repack follows the kernel by construction,
-and `tests/test_moe_w4_repack.py` checks it against a plain dequantization.
+and `tests/kernels/test_moe_w4_repack.py` checks it against a plain dequantization.
 
 Padding: N is padded to a multiple of BN with zero-scale rows and K to a multiple of BK with
 zero-scale columns (their products are exact zeros; the kernel masks x past K and rows past N).

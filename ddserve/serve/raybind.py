@@ -7,7 +7,7 @@ interface (the server checks Ray's auth token when token auth is on). `ddserve s
 before any actor: it wraps `add_port_to_grpc_server`, which the replica module imports from
 `ray._common.tls_utils`, to put the node's address in place of `[::]`. Other addresses pass
 through unchanged. If a Ray version moves that function, the hook changes nothing and
-tests/test_serve_security.py (every listening socket of a local server on loopback) fails.
+tests/serve/test_serve_security.py (every listening socket of a local server on loopback) fails.
 """
 
 from __future__ import annotations

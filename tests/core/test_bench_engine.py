@@ -17,7 +17,7 @@ import torch
 from ddserve.config import ModelConfig
 from ddserve.model.deepseek import DeepseekV3ForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--small", "--device", "cpu", "--steps", "2", "--warmup", "1"]
 
 

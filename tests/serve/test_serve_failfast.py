@@ -24,7 +24,7 @@ BOUND_S = 60  # the 2-core CI machine, busy: the failures below take 5-20 s ther
 @pytest.fixture(scope="module")
 def model_dir(tiny_int4_model_dir):
     """A random make-tiny model: it shards at tp = 1, 2, 4 but not 8 (experts of width 128 are
-    4 INT4 groups). The embedded default shards at 8 (tests/test_default_model.py)."""
+    4 INT4 groups). The embedded default shards at 8 (tests/core/test_default_model.py)."""
     return tiny_int4_model_dir
 
 

@@ -1,5 +1,5 @@
 """make-tiny: deterministic from the seed, not degenerate, the CLI. (The embedded default is a
-trained model: tests/test_default_model.py.)"""
+trained model: tests/core/test_default_model.py.)"""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from kill_probe import measure_kill
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 240
 
 

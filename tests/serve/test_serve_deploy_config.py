@@ -15,7 +15,7 @@ from ddserve.engine.config import EngineConfig
 from ddserve.serve.deployment import ServeConfig
 from ddserve.serve.main import config_from_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _router(*, budget: int = 16, buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16),

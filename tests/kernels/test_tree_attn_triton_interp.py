@@ -23,7 +23,7 @@ import pytest
 from tests.triton_interp import patch_interpreter, require_triton
 
 require_triton()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H, R, P, SCALE = 4, 64, 16, 0.144680
 SMALL = dict(BM=16, BN=16, SPLIT=48)  # tiles and splits small enough to cross them cheaply
 

@@ -22,7 +22,7 @@ import torch
 from tests.triton_interp import require_triton
 
 require_triton()  # the child imports the Triton kernel modules
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import importlib, json, os, pkgutil, sys

@@ -126,7 +126,7 @@ def _child() -> None:
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240

@@ -28,7 +28,7 @@ from ddserve.kernels import backend
 from ddserve.kernels.invariant_ref import bmm_heads_ref, fixed_order_sum, rms_norm_ref
 from tests.triton_interp import patch_interpreter, require_triton
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 

@@ -100,7 +100,7 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def records() -> dict[str, dict]:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     proc = subprocess.run(

@@ -176,7 +176,7 @@ def test_refuses_a_remote_host_without_sending(tmp_path):
 
 @pytest.mark.parametrize("module", ["loadtest", "loadtest.run"])
 def test_module_entry_points_print_help(module):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", module, "--help"],
         cwd=root,

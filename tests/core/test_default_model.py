@@ -29,7 +29,7 @@ from ddserve.serve import preflight
 from ddserve.tokenizer import Tokenizer
 from ddserve.train.prompts import MANIFEST, header_prompt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 48
 
 
