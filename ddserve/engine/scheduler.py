@@ -143,7 +143,7 @@ class Scheduler:
     def plan(self, admit: bool = True, prefill: bool = True, step: bool = True) -> Command | None:
         """The next Command (None: nothing to do). Aborts always apply; `admit`, `prefill`,
         `step` pick the iteration's other parts (the Router plans all in one Command; the LLM
-        plans admission and prefill, then a step over the streams that prefill started)."""
+        plans admission, then prefill, then a step over the streams that prefill started)."""
         aborted, self._aborted = self._aborted, set()
         if aborted:
             self.waiting = deque(r for r in self.waiting if r.sid not in aborted)
@@ -198,10 +198,17 @@ class Scheduler:
 
 
 def run_until_done(scheduler: Scheduler, execute, on_report) -> None:
-    """The offline loop: admission and prefill, then a decode step over the streams started,
-    until nothing is held. `execute(cmd) -> CommandResult`; `on_report(cmd, report)`."""
+    """The offline loop: admission, then the prefill of the streams admitted, then a decode
+    step over the streams started, until nothing is held. Admission runs alone so that a
+    request the engine refuses is reported (and `on_report` may raise) before any forward.
+    `execute(cmd) -> CommandResult`; `on_report(cmd, report)`."""
+    phases = (
+        {"step": False, "prefill": False},
+        {"admit": False, "step": False},
+        {"admit": False, "prefill": False},
+    )
     while scheduler.busy:
-        for kwargs in ({"step": False}, {"admit": False, "prefill": False}):
+        for kwargs in phases:
             cmd = scheduler.plan(**kwargs)
             if cmd is not None:
                 on_report(cmd, scheduler.apply(cmd, execute(cmd)))

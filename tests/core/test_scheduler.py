@@ -3,6 +3,8 @@ is full, cancellation, finish handling and the decode step's budget. No model.""
 
 from __future__ import annotations
 
+import pytest
+
 from ddserve.engine.budget import BudgetTuner
 from ddserve.engine.command import Command, CommandResult
 from ddserve.engine.scheduler import BudgetPolicy, Request, Scheduler, run_until_done
@@ -181,7 +183,7 @@ def test_greedy_only_tuning_gives_sampled_batches_the_fixed_budget() -> None:
     assert cmd.budget == 8 and tuner.rates(1) == {0: 0.0, 4: 0.0}
 
 
-def test_run_until_done_admits_and_prefills_then_steps_the_started_streams() -> None:
+def test_run_until_done_admits_then_prefills_then_steps_the_started_streams() -> None:
     sched, ex = Scheduler(2, BudgetPolicy(budget=0), False, prefill_chunks=None), FakeExecutor()
     for sid in "abc":
         sched.add(_req(sid))
@@ -193,9 +195,24 @@ def test_run_until_done_admits_and_prefills_then_steps_the_started_streams() -> 
 
     run_until_done(sched, ex, collect)
     assert got == {"a": 3, "b": 3, "c": 3} and not ex.streams
-    first, second = ex.commands[:2]
-    assert first.add and first.prefill_chunks is None and not first.step
-    assert second.step == ("a", "b") and not second.add  # started by the prefill just before
+    admit, prefill, step = ex.commands[:3]
+    assert admit.add and not admit.prefill and not admit.step  # refusals surface before a forward
+    assert prefill.prefill and prefill.prefill_chunks is None and not prefill.add
+    assert step.step == ("a", "b") and not step.add  # started by the prefill just before
+
+
+def test_run_until_done_reports_a_refused_request_before_any_prefill() -> None:
+    sched, ex = Scheduler(2, BudgetPolicy(budget=0), False, prefill_chunks=None), FakeExecutor()
+    sched.add(_req("a", prompt_len=500))  # more than the whole pool: refused
+    sched.add(_req("b"))
+
+    def refuse(cmd, report) -> None:
+        if report.rejected:
+            raise ValueError(report.rejected[0][1])
+
+    with pytest.raises(ValueError):
+        run_until_done(sched, ex, refuse)
+    assert not any(c.prefill for c in ex.commands)  # nothing was computed for "b"
 
 
 def test_no_prefill_is_planned_once_every_stream_has_its_first_token() -> None:
