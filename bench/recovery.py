@@ -34,7 +34,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from kill_probe import measure_kill, start_server, summary, wait_serving  # noqa: E402
+from kill_probe import measure_kill, summary, wait_serving  # noqa: E402
+from serve_proc import ddserve_env, start_server  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     server = None
     if args.url is None:
-        server = start_server(args.serve_arg)
+        server = start_server(args.serve_arg, env=ddserve_env(RAY_AUTH_MODE="disabled"))
         url, pid = server.url, server.proc.pid
     elif args.server_pid is None:
         raise SystemExit("--url needs --server-pid (to find the processes to kill)")

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -162,44 +158,3 @@ class OpenStream:
         self.how, self.ended = how, time.monotonic()
         self.first_text.set()
         self.done.set()
-
-
-# ---- a server of our own ---------------------------------------------------------------------
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, gcs: str, lines: list[str]) -> None:
-        self.proc, self.url, self.gcs, self.lines = proc, url, gcs, lines
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the session it was started in
-            self.proc.wait(10)
-
-
-def start_server(extra: list[str], startup_s: float = 300.0) -> Server:
-    """`ddserve serve` on a free port of 127.0.0.1 in a new session; returns once it serves."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "ddserve", "serve", "--port", str(port), *extra]
-    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **out)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ddserve: serving on"):
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(startup_s):
-        Server(proc, "", "", lines).stop()
-        raise RuntimeError("server did not start:\n" + "".join(lines[-40:]))
-    gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
-    return Server(proc, f"http://127.0.0.1:{port}", gcs, lines)

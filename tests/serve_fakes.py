@@ -7,8 +7,13 @@ test can compute the expected text without the code under test. Tokens arrive in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
 
 from ddserve.actors.client import EngineClient, EngineDead, QueueFull, TokenDelta
 from ddserve.sampling import SamplingParams
@@ -124,3 +129,21 @@ class FakeEngine(EngineClient):
             "kv_slots_total": 1000,
             **({} if self.retry_after_s is None else {"retry_after_s": self.retry_after_s}),
         }
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` served by uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(5)

@@ -1,12 +1,16 @@
 """Helpers for tests that run `ddserve serve` as a process: its command, environment, a free
-port and the processes left in its session."""
+port, starting and stopping it, and the processes left in its session."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +47,49 @@ def session_pids(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             out.append(int(entry))
     return out
+
+
+class Server:
+    """A `ddserve serve` process in a session of its own: `url`, `gcs` (its Ray's address) and
+    `lines` (its output so far, still growing)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, gcs: str, lines: list[str]) -> None:
+        self.proc, self.url, self.gcs, self.lines = proc, url, gcs, lines
+
+    def stop(self) -> None:
+        """SIGINT (the server stops what it started), else SIGKILL to its whole session."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the session it was started in
+            self.proc.wait(10)
+
+
+def start_server(
+    extra: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
+    startup_s: float = 300.0,
+) -> Server:  # fmt: skip
+    """`ddserve serve` on a free port of 127.0.0.1 in a new session (`env`: default
+    `ddserve_env()`); returns once it serves, else stops it and raises RuntimeError with the
+    end of its output."""
+    port = free_port()
+    cmd = [*ddserve_cmd(), "serve", "--port", str(port), *extra]
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    env = ddserve_env() if env is None else env
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **out)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ddserve: serving on"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(startup_s):
+        Server(proc, "", "", lines).stop()
+        raise RuntimeError("server did not start:\n" + "".join(lines[-40:]))
+    gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
+    return Server(proc, f"http://127.0.0.1:{port}", gcs, lines)

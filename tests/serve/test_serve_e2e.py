@@ -10,14 +10,8 @@ replica rebuilds its tensor-parallel group).
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,6 +19,7 @@ import httpx
 import openai
 import pytest
 from kill_probe import measure_kill
+from serve_proc import ddserve_env, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -32,47 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    exe = (
-        [shutil.which("ddserve")] if shutil.which("ddserve") else [sys.executable, "-m", "ddserve"]
-    )
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.Popen([*exe, "serve", "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    ready, lines = threading.Event(), []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ddserve: serving on"):
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    """`ddserve serve` with its defaults: (url, its Ray's address, pid)."""
     try:
-        if not ready.wait(STARTUP_S):
-            pytest.fail("server did not start:\n" + "".join(lines[-40:]))
-        gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
-        yield f"http://127.0.0.1:{port}", gcs, proc.pid
+        srv = start_server(env=ddserve_env(RAY_AUTH_MODE="disabled"), startup_s=STARTUP_S)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield srv.url, srv.gcs, srv.proc.pid
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group this fixture started
-            proc.wait(10)
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
-import uvicorn
-from serve_fakes import ByteTok, FakeEngine, SlowTok
+from serve_fakes import ByteTok, FakeEngine, SlowTok, serving
 
 from ddserve.actors.client import EngineDead, RequestRejected, TokenDelta
 from ddserve.sampling import SamplingParams
@@ -127,16 +126,8 @@ def test_a_body_under_the_limit_is_served() -> None:
 
 
 def test_real_server_answers_413_to_an_announced_50mb_body_and_stays_healthy() -> None:
-    app = _app()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        while not srv.started:
-            time.sleep(0.01)
+    with serving(_app()) as base:
+        port = int(base.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
             conn.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -145,10 +136,7 @@ def test_real_server_answers_413_to_an_announced_50mb_body_and_stays_healthy() -
             reply = conn.recv(65536).decode()
         assert reply.startswith("HTTP/1.1 413"), reply
         assert '"request_too_large"' in reply
-        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-    finally:
-        srv.should_exit = True
-        thread.join(5)
+        assert httpx.get(f"{base}/health").status_code == 200
 
 
 # ---- prompt size ----------------------------------------------------------------------------

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from serve_fakes import EOS, ByteTok, FakeEngine
+from serve_fakes import EOS, ByteTok, FakeEngine, serving
 
 from ddserve.serve.app import HttpLimits, ServedModel, create_app
 
@@ -21,27 +16,10 @@ MODEL = "fake-model"
 CTX = 64
 
 
-@contextlib.contextmanager
-def _serving(app) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(chunk=3, delay=0.002)
-    with _serving(create_app(engine, ServedModel(MODEL, CTX, ByteTok()))) as base:
+    with serving(create_app(engine, ServedModel(MODEL, CTX, ByteTok()))) as base:
         yield base, engine
 
 
@@ -262,7 +240,7 @@ def test_sse_wire_format_ends_with_done(url: str) -> None:
 
 def test_api_key_over_real_http_with_the_openai_client() -> None:
     app = create_app(FakeEngine(), ServedModel(MODEL, CTX, ByteTok()), HttpLimits(), "sk-right")
-    with _serving(app) as base:
+    with serving(app) as base:
         right = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-right", max_retries=0)
         assert (
             right.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text == "ab"
@@ -279,7 +257,7 @@ def test_oversized_body_over_real_http_is_413_in_openai_shape() -> None:
     app = create_app(
         FakeEngine(), ServedModel(MODEL, CTX, ByteTok()), HttpLimits(max_body_bytes=1024)
     )
-    with _serving(app) as base:
+    with serving(app) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model=MODEL, prompt="x" * 2000, max_tokens=2)

@@ -6,16 +6,12 @@ read from /proc for the server's own session, never anybody else's Ray)."""
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import signal
-import subprocess
-import threading
 
 import httpx
 import listen_sockets
 import pytest
-from serve_proc import ROOT, ddserve_cmd, ddserve_env, free_port, session_pids
+from serve_proc import ddserve_env, session_pids, start_server
 
 from ddserve.cli import build_parser
 from ddserve.serve.main import API_KEY_ENV, api_key, config_from_args
@@ -70,31 +66,14 @@ def test_the_worker_hook_moves_every_interface_binds_to_the_node_address(monkeyp
 def server():
     """`ddserve serve` with DDSERVE_API_KEY in its environment, in its own session: (url,
     session id, output lines, key)."""
-    env = ddserve_env(**{API_KEY_ENV: KEY})
-    port = free_port()
-    proc = subprocess.Popen([*ddserve_cmd(), "serve", "--port", str(port)], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    ready, lines = threading.Event(), []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ddserve: serving on"):
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
     try:
-        if not ready.wait(STARTUP_S):
-            pytest.fail("server did not start:\n" + "".join(lines[-40:]))
-        yield f"http://127.0.0.1:{port}", proc.pid, lines, KEY
+        srv = start_server(env=ddserve_env(**{API_KEY_ENV: KEY}), startup_s=STARTUP_S)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield srv.url, srv.proc.pid, srv.lines, KEY
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session this fixture started
-            proc.wait(10)
+        srv.stop()
 
 
 @pytest.mark.slow
