@@ -14,6 +14,7 @@ FLOPs = 2 x (576 + 512) per (query row, head, key). Both ceilings are measured i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -69,12 +70,20 @@ def kernel_resources(fn, seen: set) -> list[dict]:
     return rows
 
 
-def case_inputs(nb: int, budget: int, pl: int, h: int, r: int, p: int, dev):
+def case_inputs(nb: int, budget: int, pl: int, h: int, r: int, p: int, dev, pad_pow2=False):
     """One case: nb streams with prefix pl and a random tree of budget + 1 rows (1 row: decode).
-    Returns (rows per stream, rows, metadata, q_latent, q_rope, latent pool)."""
+    With pad_pow2 the prefix-slot table is as wide as the engine's CUDA graphs make it (the
+    next power of two >= pl + 1, at least 256). Returns (rows per stream, rows, metadata,
+    q_latent, q_rope, latent pool)."""
     ql = budget + 1 if budget else 1
     slots = nb * (pl + ql) + 64
     meta = random_meta([pl] * nb, [ql] * nb, slots, seed=nb * 1000 + ql).to(dev)
+    if pad_pow2:
+        width = 256
+        while width < pl + 1:
+            width *= 2
+        pad = meta.prefix_slots.new_zeros(nb, width - meta.prefix_slots.shape[1])
+        meta = dataclasses.replace(meta, prefix_slots=torch.cat([meta.prefix_slots, pad], 1))
     t = nb * ql
     q_lat = torch.randn(t, h, r, device=dev).to(torch.bfloat16)
     q_pe = torch.randn(t, h, p, device=dev).to(torch.bfloat16)
@@ -102,8 +111,8 @@ def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:
     return out.transpose(1, 2)  # [B, Q, H, R]
 
 
-def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev) -> dict:
-    ql, t, meta, q_lat, q_pe, kv = case_inputs(nb, budget, pl, h, r, p, dev)
+def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=False) -> dict:
+    ql, t, meta, q_lat, q_pe, kv = case_inputs(nb, budget, pl, h, r, p, dev, pad_pow2)
     nbytes = nb * (pl + ql) * (r + p) * 2 + t * h * (r + p + r) * 2 + nb * (pl + ql) * 8
     flops = nb * ql * h * (pl + ql) * 2 * (r + p + r)
     floor_ms = max(nbytes / bw / 1e6, flops / peak / 1e9)
@@ -136,6 +145,14 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev) -> dict:
         row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["ms"]
     except RuntimeError as e:  # e.g. out of memory for the padded torch path
         row["sdpa_error"] = str(e)[:200]
+    if splits:  # the invariant kernel at each SPLIT (keys per split), its output vs the default
+        row["inv_splits"] = []
+        for sp in splits:
+            cfg = {"SPLIT": sp}
+            o = triton_path(cfg, True)
+            ms = time_ms(lambda cfg=cfg: triton_path(cfg, True), rep=50)
+            err = rel_err(o.view(nb, ql, h, r), ref32)
+            row["inv_splits"].append(dict(SPLIT=sp, ms=ms, err_vs_ref32=err))
     if sweep:
         for key, variants, inv in (
             ("variants", VARIANTS, False),
@@ -164,21 +181,29 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--prefixes", default="1024,8192,32768", help="comma-separated prefix lengths")
+    ap.add_argument("--streams", default="1,5,10", help="comma-separated stream counts")
+    ap.add_argument("--budgets", default="8,16,32,64", help="comma-separated budgets (0: decode)")
+    ap.add_argument("--splits", default="", help="time the invariant kernel at each SPLIT")
+    ap.add_argument("--pad-pow2", action="store_true",
+                    help="prefix-slot tables as wide as the engine's graphs (next power of 2)")
     args = ap.parse_args()
     dev = device()
     h, r, p = (2, 32, 16) if args.smoke else (8, 512, 64)
     streams, budgets, prefixes = (
-        ([2], [8], [64]) if args.smoke else ([1, 5, 10], [8, 16, 32, 64], _ints(args.prefixes))
+        ([2], [8], [64])
+        if args.smoke
+        else (_ints(args.streams), _ints(args.budgets), _ints(args.prefixes))
     )
     cases = [(b, q, pl) for b in streams for q in budgets for pl in prefixes]
-    decode = [pl for pl in (1024, 8192, 32768) if pl in prefixes]
+    decode = [pl for pl in (1024, 8192, 32768) if pl in prefixes and 0 not in budgets]
     cases += [] if args.smoke else [(b, 0, pl) for b in (1, 10) for pl in decode]  # decode
     bw, peak = copy_bandwidth_gbs(), matmul_tflops()
     res = dict(env=environment(), copy_gbs=bw, bf16_tflops=peak, heads=h, latent=r, rope=p, rows=[])
     res["invariant_config"] = INVARIANT_CONFIG
     print(f"copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
     for nb, budget, pl in cases:
-        row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev)
+        row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev,
+                       _ints(args.splits), args.pad_pow2)  # fmt: skip
         res["rows"].append(row)
         print(f"B={nb:2d} budget={budget:2d} prefix={pl:5d}: {row['ms'] * 1e3:8.1f} us "
               f"inv {row['inv_ms'] * 1e3:8.1f} us ({row['inv_over_default']:.2f}x) "
@@ -189,6 +214,8 @@ def main() -> None:
               f"inv {row['inv_err_vs_ref32']:.1e} "
               f"sdpa {row.get('sdpa_err_vs_ref32', -1):.1e} (kernel vs sdpa "
               f"{row.get('err_vs_sdpa', -1):.1e})", flush=True)  # fmt: skip
+        for v in row.get("inv_splits", []):
+            print(f"    inv SPLIT={v['SPLIT']:5d}: {v['ms'] * 1e3:8.1f} us", flush=True)
     res["inv_resources"] = kernel_resources(_tree_attn_inv_kernel, set())
     write_json(args.out, res)
 

@@ -12,16 +12,17 @@
 #   attention   tree-verify attention (plain and invariant vs SDPA) and the tree builder
 #   dense       batch-invariant dense ops vs torch, and their offline sm_90 compile report
 #   engine      the K2.6 rank step (bench_engine.py; extra args replace its defaults below)
+#   profile     where one K2.6 rank forward's time goes, per category (profile_step.py)
 #   serve       `ddserve serve` on every GPU (needs Ray): streaming curl, load test, /metrics,
 #               clean shutdown; extra args go to `ddserve serve`
 #   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODES="tests exactness moe attention dense engine serve pair"
+MODES="tests exactness moe attention dense engine profile serve pair"
 MODE=${1:-}
 if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
@@ -78,6 +79,9 @@ case "$MODE" in
   engine)
     [ $# -gt 0 ] || set -- --batches 1,5,10 --budgets 8,16 --corrupt 0,0.3 --cuda-graphs
     step engine 420 python3 bench/bench_engine.py --max-seconds 330 --out "$OUT/engine.json" "$@"
+    ;;
+  profile)
+    step profile 400 python3 bench/profile_step.py --out "$OUT/profile.json" "$@"
     ;;
   serve)
     if [ -z "${DRY:-}" ] && ! has_ray; then echo "serve: Ray is not importable" | tee -a "$LOG"; exit 2; fi

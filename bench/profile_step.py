@@ -1,0 +1,392 @@
+"""Where a K2.6 rank step's time goes: per-category kernel time and launch counts of one target
+forward, replayed from a CUDA graph (as the engine runs it) and eager, against byte floors.
+
+    python bench/profile_step.py --out profile.json                  # H200: 61-layer rank slice
+    python bench/profile_step.py --small --device cpu --out x.json   # smoke run (CPU ops)
+
+For each configuration (AR at each --batches, DDTree verify of --budget at each --batches):
+1. the engine's own inputs of one such forward are captured (random K2.6 rank slice at tp=8
+   shapes, --prefix prompt tokens per stream, oracle drafter for the verify tree);
+2. eager profile with every module of the model annotated (torch.profiler user annotations):
+   each kernel is attributed to the innermost module that launched it, then to a category;
+3. the same forward captured in a CUDA graph and profiled over --reps replays: kernel durations
+   by position, matched to the eager kernels by name and order (the graph replays exactly the
+   eager launch sequence), so graph time is attributed to the same categories;
+4. floors: bytes the category must read (weights; distinct routed experts measured by routing;
+   KV latents of every key) over the measured copy bandwidth.
+JSON per configuration: categories (us per step, kernels, floor us), the top kernels, kernels per
+layer, the graph's wall time and its gaps between kernels. On CPU there is no graph: leaf CPU
+ops stand in for kernels (a smoke run of the attribution code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from _util import capture_graph, environment, write_json  # noqa: E402
+from bench_engine import parse_args as engine_args  # noqa: E402
+from bench_engine import setup  # noqa: E402
+from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from ddserve.kernels import backend  # noqa: E402
+from ddserve.model.moe import MoE  # noqa: E402
+
+CATEGORIES = (
+    "tree attention",
+    "router",
+    "attention projections",
+    "absorb bmm",
+    "routed MoE",
+    "attention elementwise",
+    "shared expert",
+    "RMSNorm",
+    "dense layer 0",
+    "lm_head",
+    "embedding",
+    "all-reduce",
+    "other",
+)
+PROJ = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj")
+
+
+def category(path: str, mlp_kind: str | None, kernel: str) -> str:
+    """The category of a kernel launched inside module `path` (mlp_kind: the class of the
+    layer's `mlp`, DenseMLP or MoE)."""
+    k = kernel.lower()
+    if "nccl" in k or "allreduce" in k or "all_reduce" in k:
+        return "all-reduce"
+    if "rms" in k or path.endswith(("layernorm", ".norm")):
+        return "RMSNorm"
+    if ".self_attn" in path:
+        if path.endswith(PROJ):
+            return "attention projections"
+        if "tree_attn" in k or "combine" in k:
+            return "tree attention"
+        if "_mm_kernel" in k or "sum_splits" in k or "gemm" in k or "gemv" in k:
+            return "absorb bmm"
+        return "attention elementwise"
+    if ".mlp" in path:
+        if mlp_kind == "DenseMLP":
+            return "dense layer 0"
+        if ".mlp.gate" in path or "router" in k:
+            return "router"
+        if ".mlp.shared_experts" in path:
+            return "shared expert"
+        return "routed MoE"
+    if path.startswith("lm_head"):
+        return "lm_head"
+    if "embed" in path:
+        return "embedding"
+    return "other"
+
+
+@contextlib.contextmanager
+def annotated(model: torch.nn.Module):
+    """Every named module's forward inside a profiler annotation of its qualified name."""
+    originals = {}
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+
+        def wrapped(*a, __f=mod.forward, __n=name, **kw):
+            with record_function(__n):
+                return __f(*a, **kw)
+
+        originals[mod] = mod.__dict__.get("forward")
+        mod.forward = wrapped
+    try:
+        yield
+    finally:
+        for mod, orig in originals.items():
+            if orig is None:
+                del mod.forward
+            else:
+                mod.forward = orig
+
+
+def trace_events(prof) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())["traceEvents"]
+
+
+def innermost(stamps: list[tuple[float, int]], ranges: list[dict]) -> dict[int, str]:
+    """For each (timestamp, key), the name of the innermost range containing it (or "")."""
+    events = [(r["ts"], 0, r) for r in ranges] + [(r["ts"] + r["dur"], -1, r) for r in ranges]
+    events += [(ts, 1, key) for ts, key in stamps]
+    events.sort(key=lambda e: (e[0], e[1]))
+    stack: list[dict] = []
+    out: dict[int, str] = {}
+    for _, kind, item in events:
+        if kind == 0:
+            stack.append(item)
+        elif kind == -1:
+            if item in stack:
+                stack.remove(item)
+        else:
+            out[item] = stack[-1]["name"] if stack else ""
+    return out
+
+
+def eager_kernels(events: list[dict], cuda: bool) -> list[tuple[str, str, float]]:
+    """[(kernel name, innermost module, duration us)] in launch order."""
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    if cuda:
+        kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        launch = {
+            e["args"]["correlation"]: e["ts"]
+            for e in events
+            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        }
+        stamps = [
+            (launch.get(k["args"].get("correlation"), -1.0), i) for i, k in enumerate(kernels)
+        ]
+    else:  # leaf CPU ops stand in for kernels
+        ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+        kernels = [o for i, o in enumerate(ops) if not _has_child(ops, i)]
+        stamps = [(k["ts"], i) for i, k in enumerate(kernels)]
+    where = innermost(stamps, ranges)
+    return [(k["name"], where.get(i, ""), float(k["dur"])) for i, k in enumerate(kernels)]
+
+
+def _has_child(ops: list[dict], i: int) -> bool:
+    end = ops[i]["ts"] + ops[i]["dur"]
+    j = i + 1
+    return j < len(ops) and ops[j]["ts"] < end and ops[j].get("tid") == ops[i].get("tid")
+
+
+def graph_kernels(events: list[dict], reps: int) -> tuple[list[tuple[str, float]], float]:
+    """([(name, mean duration us)] of one replay in order, mean wall us of one replay)."""
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    n = len(ks) // reps
+    per = [
+        (ks[i]["name"], sum(float(ks[r * n + i]["dur"]) for r in range(reps)) / reps)
+        for i in range(n)
+    ]
+    walls = [
+        ks[r * n + n - 1]["ts"] + ks[r * n + n - 1]["dur"] - ks[r * n]["ts"] for r in range(reps)
+    ]
+    return per, sum(walls) / reps if walls else 0.0
+
+
+def summarize(rows: list[tuple[str, str, float]], floors: dict[str, float], layers: int) -> dict:
+    """rows: (kernel, category, us) -> the per-category table and top kernels."""
+    cats: dict[str, dict] = {
+        c: dict(us=0.0, kernels=0, floor_us=floors.get(c, 0.0)) for c in CATEGORIES
+    }
+    top: dict[str, list[float]] = defaultdict(list)
+    for name, cat, us in rows:
+        cats[cat]["us"] += us
+        cats[cat]["kernels"] += 1
+        top[name].append(us)
+    tops = sorted(((sum(v), len(v), k) for k, v in top.items()), reverse=True)[:25]
+    return dict(
+        kernel_us=sum(us for _, _, us in rows),
+        kernels=len(rows),
+        kernels_per_layer=len(rows) / layers,
+        categories={c: v for c, v in cats.items() if v["kernels"] or v["floor_us"]},
+        top_kernels=[dict(name=k[:120], us=s, count=n) for s, n, k in tops],
+    )
+
+
+def floors_us(model, meta, recorder: RouteRecorder, bw: float, ntok: int) -> dict[str, float]:
+    """Bytes each category must read per forward, over the copy bandwidth, in us."""
+    by: dict[str, float] = defaultdict(float)
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if ".mlp.experts." in name:
+            continue
+        if "embed_tokens" in name:
+            by["embedding"] += n * ntok / p.shape[0]
+        elif name.startswith("lm_head"):
+            by["lm_head"] += n
+        elif "layernorm" in name or name.endswith("norm.weight"):
+            by["RMSNorm"] += n
+        elif ".self_attn.kv_b_proj" in name:
+            by["absorb bmm"] += n
+        elif ".self_attn." in name:
+            by["attention projections"] += n
+        elif ".mlp.gate." in name:
+            by["router"] += n
+        elif ".mlp.shared_experts." in name:
+            by["shared expert"] += n
+        elif ".mlp." in name:
+            by["dense layer 0"] += n
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if moes:
+        e = moes[0].experts
+        tensors = [
+            getattr(e, n)
+            for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale", "w13", "w2")
+            if hasattr(e, n)
+        ]
+        per_expert = sum(t.numel() * t.element_size() for t in tensors) / tensors[0].shape[0]
+        distinct = recorder.distinct()  # [forward][layer]
+        by["routed MoE"] = sum(distinct[-1]) * per_expert if distinct else 0.0
+    cfg = model.cfg
+    keys = int(meta.prefix_lens.sum()) + int(meta.q_lens.sum())
+    by["tree attention"] = keys * cfg.kv_latent_dim * 2 * cfg.num_hidden_layers
+    return {k: v / bw * 1e6 for k, v in by.items()}
+
+
+def profile_forward(runner, inputs, args, recorder, bw) -> dict:
+    model, cuda = runner.model, runner.device.type == "cuda"
+    ids, positions, meta, absorbed = inputs
+    mlp_kind = {
+        f"model.layers.{i}": type(layer.mlp).__name__ for i, layer in enumerate(model.model.layers)
+    }
+
+    def forward():
+        with backend.kernel_mode(runner.kernels):
+            return model(ids, positions, runner.kv.pool, meta, runner.capture, absorbed)
+
+    forward()  # compile / autotune outside the profile
+    recorder.clear()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with recorder.active(), annotated(model), profile(activities=acts) as prof:
+        forward()
+        if cuda:
+            torch.cuda.synchronize()
+    eager = eager_kernels(trace_events(prof), cuda)
+
+    def cat_of(name: str, path: str) -> str:
+        layer = ".".join(path.split(".")[:3])
+        return category(path, mlp_kind.get(layer), name)
+
+    floors = floors_us(model, meta, recorder, bw, int(ids.numel()))
+    layers = model.cfg.num_hidden_layers
+    out = dict(eager=summarize([(n, cat_of(n, p), us) for n, p, us in eager], floors, layers))
+    if not cuda:
+        return out
+    graph = capture_graph(forward)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as gprof:
+        for _ in range(args.reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    per, wall = graph_kernels(trace_events(gprof), args.reps)
+    del graph
+    matched = sum(1 for (a, _), (b, _, _) in zip(per, eager, strict=False) if a == b)
+    rows = [
+        (n, cat_of(n, eager[i][1]) if i < len(eager) and eager[i][0] == n else "other", us)
+        for i, (n, us) in enumerate(per)
+    ]
+    g = summarize(rows, floors, layers)
+    g.update(wall_us=wall, gaps_us=wall - g["kernel_us"], matched_to_eager=matched)
+    out["graph"] = g
+    return out
+
+
+def capture_inputs(bench, sids: list[int], budget: int | None, depth: int) -> tuple:
+    """The engine's own forward inputs of one AR step (budget None) or one DDTree verify."""
+    sink: list = []
+    runner = bench.runner
+    if budget is None:
+        bench.rewind(sids)
+        runner.drafter, runner.cfg = None, bench.base_cfg
+    else:  # rewinds, installs the oracle drafter and the budget
+        bench._oracle(sids, budget, dict(depth=depth, corrupt=0.0, margin=20.0, seed=0))
+    with capture_forward_inputs(runner, sink):
+        (runner.ar_step if budget is None else runner.ddtree_step)(sids)
+    runner.cfg = bench.base_cfg
+    return sink[-1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--layers", type=int, help="decoder layers (61)")
+    ap.add_argument("--batches", default=None, help="stream counts (1,5,10; small: 1,2)")
+    ap.add_argument("--budget", type=int, default=None, help="DDTree budget (16; small: 4)")
+    ap.add_argument("--prefix", type=int, help="prompt tokens per stream (1024)")
+    ap.add_argument("--reps", type=int, default=3, help="profiled graph replays")
+    ap.add_argument("--out", default=None, help="JSON output path (default: print)")
+    args = ap.parse_args(argv)
+    budget = args.budget or (4 if args.small else 16)
+    eargs = [
+        *(["--small"] if args.small else []),
+        "--budgets",
+        str(budget),
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--split-steps",
+        "0",
+        "--corrupt",
+        "0",
+        "--graph-reps",
+        "0",
+    ]
+    for flag, val in (
+        ("--device", args.device),
+        ("--layers", args.layers),
+        ("--batches", args.batches),
+        ("--prefix", args.prefix),
+    ):
+        if val is not None:
+            eargs += [flag, str(val)]
+    ea = engine_args(eargs)
+    bench, rep = setup(ea)
+    runner, bw = bench.runner, rep["bandwidth"]["bytes_per_s"]
+    recorder = RouteRecorder(runner.model)
+    c_max = max(ea.batches)
+    bench.run_ar(bench.sids[:c_max], 0, ea.depth + 2)  # the oracle's continuation
+    report = dict(
+        benchmark="profile_step",
+        env=environment(),
+        layers=rep["layers"],
+        prefix=ea.prefix,
+        budget=budget,
+        bandwidth_bytes_per_s=bw,
+        configs=[],
+    )
+    for kind, c in [("ar", c) for c in ea.batches] + [("ddtree", c) for c in ea.batches]:
+        sids = bench.sids[:c]
+        try:
+            inputs = capture_inputs(bench, sids, None if kind == "ar" else budget, ea.depth)
+            res = profile_forward(runner, inputs, args, recorder, bw)
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest
+            report["configs"].append(dict(kind=kind, batch=c, error=f"{type(e).__name__}: {e}"))
+            print(f"{kind} C={c}: {type(e).__name__}: {e}", flush=True)
+            continue
+        res.update(kind=kind, batch=c, tokens=int(inputs[0].numel()))
+        report["configs"].append(res)
+        print_config(res)
+        write_json(args.out, report) if args.out else None
+    if args.out is None:
+        print(json.dumps(report, indent=1))
+    return report
+
+
+def print_config(res: dict) -> None:
+    view = res.get("graph") or res["eager"]
+    mode = "graph" if "graph" in res else "eager"
+    print(
+        f"\n{res['kind']} C={res['batch']} ({res['tokens']} tokens), {mode}: "
+        f"{view['kernel_us']:.0f} us kernels, {view['kernels']} kernels "
+        f"({view['kernels_per_layer']:.1f}/layer)",
+        flush=True,
+    )
+    for cat, v in sorted(view["categories"].items(), key=lambda kv: -kv[1]["us"]):
+        print(
+            f"  {cat:24s} {v['us']:9.1f} us {v['kernels']:6d} kernels  floor {v['floor_us']:7.1f} us"
+        )
+
+
+if __name__ == "__main__":
+    main()
