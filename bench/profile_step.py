@@ -384,7 +384,8 @@ def print_config(res: dict) -> None:
     )
     for cat, v in sorted(view["categories"].items(), key=lambda kv: -kv[1]["us"]):
         print(
-            f"  {cat:24s} {v['us']:9.1f} us {v['kernels']:6d} kernels  floor {v['floor_us']:7.1f} us"
+            f"  {cat:24s} {v['us']:9.1f} us {v['kernels']:6d} kernels"
+            f"  floor {v['floor_us']:7.1f} us"
         )
 
 
