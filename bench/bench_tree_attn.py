@@ -148,11 +148,12 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=
     if splits:  # the invariant kernel at each SPLIT (keys per split), its output vs the default
         row["inv_splits"] = []
         for sp in splits:
-            cfg = {"SPLIT": sp}
+            split, _, bn = sp.partition("/")
+            cfg = {"SPLIT": int(split), **({"BN": int(bn)} if bn else {})}
             o = triton_path(cfg, True)
             ms = time_ms(lambda cfg=cfg: triton_path(cfg, True), rep=50)
             err = rel_err(o.view(nb, ql, h, r), ref32)
-            row["inv_splits"].append(dict(SPLIT=sp, ms=ms, err_vs_ref32=err))
+            row["inv_splits"].append(dict(config=cfg, ms=ms, err_vs_ref32=err))
     if sweep:
         for key, variants, inv in (
             ("variants", VARIANTS, False),
@@ -183,9 +184,16 @@ def main() -> None:
     ap.add_argument("--prefixes", default="1024,8192,32768", help="comma-separated prefix lengths")
     ap.add_argument("--streams", default="1,5,10", help="comma-separated stream counts")
     ap.add_argument("--budgets", default="8,16,32,64", help="comma-separated budgets (0: decode)")
-    ap.add_argument("--splits", default="", help="time the invariant kernel at each SPLIT")
-    ap.add_argument("--pad-pow2", action="store_true",
-                    help="prefix-slot tables as wide as the engine's graphs (next power of 2)")
+    ap.add_argument(
+        "--splits",
+        default="",
+        help="time the invariant kernel at each SPLIT or SPLIT/BN (e.g. 128,256/64)",
+    )
+    ap.add_argument(
+        "--pad-pow2",
+        action="store_true",
+        help="prefix-slot tables as wide as the engine's graphs (next power of 2)",
+    )
     args = ap.parse_args()
     dev = device()
     h, r, p = (2, 32, 16) if args.smoke else (8, 512, 64)
@@ -203,7 +211,7 @@ def main() -> None:
     print(f"copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
     for nb, budget, pl in cases:
         row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev,
-                       _ints(args.splits), args.pad_pow2)  # fmt: skip
+                       [x for x in args.splits.split(",") if x], args.pad_pow2)  # fmt: skip
         res["rows"].append(row)
         print(f"B={nb:2d} budget={budget:2d} prefix={pl:5d}: {row['ms'] * 1e3:8.1f} us "
               f"inv {row['inv_ms'] * 1e3:8.1f} us ({row['inv_over_default']:.2f}x) "
@@ -215,7 +223,7 @@ def main() -> None:
               f"sdpa {row.get('sdpa_err_vs_ref32', -1):.1e} (kernel vs sdpa "
               f"{row.get('err_vs_sdpa', -1):.1e})", flush=True)  # fmt: skip
         for v in row.get("inv_splits", []):
-            print(f"    inv SPLIT={v['SPLIT']:5d}: {v['ms'] * 1e3:8.1f} us", flush=True)
+            print(f"    inv {v['config']}: {v['ms'] * 1e3:8.1f} us", flush=True)
     res["inv_resources"] = kernel_resources(_tree_attn_inv_kernel, set())
     write_json(args.out, res)
 

@@ -148,7 +148,8 @@ def eager_kernels(events: list[dict], cuda: bool) -> list[tuple[str, str, float]
         launch = {
             e["args"]["correlation"]: e["ts"]
             for e in events
-            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+            if e.get("cat") in ("cuda_runtime", "cuda_driver")
+            and "correlation" in e.get("args", {})
         }
         stamps = [
             (launch.get(k["args"].get("correlation"), -1.0), i) for i, k in enumerate(kernels)
