@@ -5,11 +5,12 @@ oracle drafter (deep trees), for float32 and bfloat16 compute and several budget
 many of the streams' greedy outputs are token-for-token identical to plain AR decoding, and where
 the first difference is when one is not. bf16 matmuls are not batch-invariant, so a near-tie can
 flip a token; float32 should match everywhere. With --batch-invariant every decode/verify kernel
-computes a row the same way whatever the batch, so bf16 should match everywhere too. Writes one
+computes a row the same way whatever the batch, so bf16 should match everywhere too; that is the
+engine's default and this script's (--no-batch-invariant runs the plain kernels). Writes one
 JSON (a row per config: identical streams, first differing token of the others).
 
-    python bench/gpu_engine_check.py --out results/gpu_engine_check.json
-    python bench/gpu_engine_check.py --batch-invariant --dtypes bfloat16 --out $OUT/x.json
+    python bench/gpu_engine_check.py --dtypes bfloat16 --out $OUT/x.json
+    python bench/gpu_engine_check.py --no-batch-invariant --out results/plain_kernels.json
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def main() -> None:
     ap.add_argument("--drafters", default="dflash,oracle-corrupt-0.3")
     ap.add_argument(
         "--batch-invariant",
-        action="store_true",
-        help="EngineConfig.batch_invariant=True (without it: False, the plain kernels)",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.batch_invariant,
+        help="EngineConfig.batch_invariant (default: the engine's default, on)",
     )
     ap.add_argument(
         "--ref",

@@ -16,7 +16,7 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its one configuration (BM 32, BN 32, SPLIT
-  512), `_combine_kernel` merging the splits when there is more than one
+  256), `_combine_kernel` merging the splits when there is more than one
 - routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
   kernel `moe_gluon`, experts repacked in place by `moe_w4_repack`, expert alignment
   `moe_align.align_by_expert_triton` up to 2048 pairs and its torch version past that, fixed-order

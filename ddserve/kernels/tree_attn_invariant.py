@@ -13,10 +13,13 @@ Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile a
 fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every
 BM=64 tile spills (>= 2 KB). SPLIT trades parallelism at small batches (short splits: more
 programs, fewer serial key tiles each) against partial-output traffic at large ones ([BM, R]
-fp32 per program and split, merged by a second launch). Among the fixed configurations timed on
-an H200 (bench/results/tree_attn_presets_round2_2026-11-30.json, 42 cases), BM=32 BN=32 8 warps
-SPLIT=512 had the lowest geometric-mean and worst-case cost relative to the non-invariant kernel
-(1.73x and 2.33x).
+fp32 per program and split, merged by a second launch). A split's key tiles run one after
+another (~3-4 us each on an H200), so at one stream SPLIT sets the latency, while at ten streams
+verifying 17-row trees the partials dominate. Timed on an H200 with engine-shaped prefix tables
+(`bench_tree_attn.py --splits`, BENCHMARKS.md), SPLIT=256 against 512: decode at 1 stream and a
+1k prefix 43 vs 71 us, 1 stream verifying 17 rows 43 vs 72 us, 10 streams decoding 44 vs 73 us,
+10 streams verifying 17 rows each 80 vs 76 us (8k prefixes: 48 vs 75, 82 vs 76, 122 vs 142,
+466 vs 440 us). SPLIT=128 is faster still at one stream (29-32 us) and 25% slower at ten.
 """
 
 from __future__ import annotations
@@ -223,7 +226,7 @@ def _combine_kernel(
 
 # The one configuration (SPLIT: keys per split, a multiple of BN): a row's arithmetic then depends
 # on nothing but its query and its keys.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=512)
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 
 
 def tree_mla_attention_invariant(

@@ -82,7 +82,7 @@ def test_long_prefix_32k(invariant):
 
 
 # ---- invariant mode: bit-for-bit AR consistency and batch invariance (tensor-core math) -------
-# Prefixes and trees around the key tiles (32) and splits (512) of the invariant configuration.
+# Prefixes and trees around the key tiles (32) and splits (256) of the invariant configuration.
 AR_CASES = [
     ([0], [1]),
     ([0], [65]),

@@ -65,7 +65,7 @@ def _run_checks() -> dict:
         (2, [0, 3, 15], [12, 20, 5]),
         (4, [16, 30, 47], [33, 9, 17]),
         (8, [70, 95], [25, 1]),
-        (4, [1100], [20]),  # default configuration: crosses 32-key tiles and the 512-key splits
+        (4, [1100], [20]),  # default configuration: crosses 32-key tiles and the 256-key splits
     ]
     for i, (heads, pls, qls) in enumerate(cases):
         cfg = None if i == 3 else SMALL
