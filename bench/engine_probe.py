@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 from _util import capture_graph
 
+import ddserve.ddtree.verify as verify_mod
 import ddserve.engine.runner as runner_mod
 from ddserve.engine.runner import ModelRunner
 from ddserve.model.moe import MoE
@@ -109,16 +110,22 @@ def _after(name: str, fn: Callable, clock: Clock, marks: list) -> Callable:
 
 @contextlib.contextmanager
 def stage_marks(runner: ModelRunner, clock: Clock, marks: list) -> Iterator[None]:
-    """While active, `ddtree_step` appends (stage, timestamp) to `marks` at the end of the
-    draft, tree build, verify-input prep (slot allocation, ids/positions, attention metadata) and
-    verify forward. The caller marks the step's start and end; stage times telescope."""
-    with contextlib.ExitStack() as stack:
-        for obj, name, stage in (
+    """While active, `ddtree_step` appends (stage, timestamp) to `marks` at the end of each stage.
+    Eager: the draft, the tree build, the verify-input prep (attention metadata) and the verify
+    forward; with CUDA graphs: the draft and the captured verify step (tree build, forward, token
+    choice, acceptance: one replay). The caller marks the step's start and end; stage times
+    telescope, the last one being `accept_commit`."""
+    if runner._graphs is None:
+        stages = (
             (runner.drafter, "draft", "draft"),
-            (runner_mod, "build_tree", "build"),
+            (verify_mod, "build_tree", "build"),
             (runner_mod, "block_meta", "prep"),
-            (runner, "_decode_forward", "verify"),  # eager or graph replay
-        ):
+            (runner, "_forward", "verify"),
+        )
+    else:
+        stages = ((runner.drafter, "draft", "draft"), (runner, "_verify", "verify"))
+    with contextlib.ExitStack() as stack:
+        for obj, name, stage in stages:
             stack.enter_context(patched(obj, name, _after(stage, getattr(obj, name), clock, marks)))
         yield
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ddserve.ddtree.accept import Acceptance, accept
 from ddserve.ddtree.sampling import select_tokens
 from ddserve.ddtree.tree import DraftTree, build_tree
-from ddserve.ddtree.verify import block_meta, verify_inputs
+from ddserve.ddtree.verify import block_meta, verify_inputs, verify_step
 
 __all__ = [
     "Acceptance",
@@ -19,4 +19,5 @@ __all__ = [
     "build_tree",
     "select_tokens",
     "verify_inputs",
+    "verify_step",
 ]

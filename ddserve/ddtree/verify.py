@@ -7,9 +7,12 @@ stream's committed prefix slots plus the block's own freshly allocated slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ddserve.ddtree.tree import DraftTree
+from ddserve.ddtree.accept import accept
+from ddserve.ddtree.tree import DraftTree, build_tree
 from ddserve.kernels.tree_attn import TreeAttnMeta
 
 
@@ -26,6 +29,35 @@ def verify_inputs(
     depth = torch.cat([tree.depths.new_zeros(b, 1), tree.depths], dim=1)  # [B, N+1]
     positions = prefix_lens[:, None] + depth  # [B, N+1]
     return ids.reshape(-1), positions.reshape(-1)
+
+
+def verify_step(
+    forward: Callable,  # (ids [T], positions [T], visible [B, N+1, N+1]) -> ModelOutput
+    select: Callable[[torch.Tensor], torch.Tensor],  # logits [B, N+1, V] -> tokens [B, N+1]
+    draft_logits: torch.Tensor,  # [B, D, V]
+    bonus: torch.Tensor,  # [B] each stream's last committed token (the root)
+    prefix_lens: torch.Tensor,  # [B]
+    budget: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Everything of a DDTree step between the draft and the host: tree build, verify inputs, the
+    target forward over every block's budget + 1 rows, the target's token at each row, and the
+    acceptance walk. Pure tensor code with shapes fixed by (B, D, V, budget): the engine runs it
+    eagerly or captures it whole in one CUDA graph (`graphs.GraphedForward.run_verify`).
+
+    Returns the packed acceptance [B, 2 * (D' + 1) + 1] (`Acceptance.packed`, D' = the tree's
+    depth bound) and the hidden states of each block's accepted rows [B, D' + 1, C] (rows past
+    the accepted count are the root's), or None when the forward captures no hidden states."""
+    tree = build_tree(draft_logits, budget)
+    ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B * (N+1)] each
+    out = forward(ids, pos, tree.visible)
+    b = bonus.shape[0]
+    target = select(out.logits.view(b, budget + 1, -1))  # [B, N+1]
+    acc = accept(tree, target)
+    hidden = None
+    if out.hidden is not None:
+        h = out.hidden.view(b, budget + 1, -1)  # [B, N+1, C]
+        hidden = h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1]))  # [B, D'+1, C]
+    return acc.packed(), hidden
 
 
 def pad_slot_lists(slot_lists: list[list[int]], device: torch.device | str) -> torch.Tensor:

@@ -1,21 +1,21 @@
-"""CUDA-graph replay of the decode/verify target forward (`EngineConfig.cuda_graphs`).
+"""CUDA-graph replay of the decode forward and the DDTree verify step (`EngineConfig.cuda_graphs`).
 
-The eager engine is launch-bound (BENCHMARKS.md: a K2.6 rank step is 30-120x its bandwidth
-floor, a graph-replayed forward 11-17x). One graph is captured per shape key (blocks B, rows per
-block Q, prefix capacity P): B is the batch padded to a bucket, Q = budget + 1 (1 for AR), P a
-power of two >= the longest prefix. Inputs are copied into static buffers before `replay()`;
-the outputs are static tensors, valid until the next replay. Padding blocks write their latents
-to scratch slots reserved at start-up and see only themselves. Only the target forward is
-captured; draft, tree build, sampling and acceptance stay eager (8-13% of a K2.6 rank DDTree
-step, BENCHMARKS.md).
+The eager engine is launch-bound (a K2.6 rank forward is ~3,600 kernels). Two kinds of graph:
+- the target forward alone (`_Graph`, `GraphedForward.run`: AR steps), one per (blocks B, rows
+  per block Q, prefix capacity P);
+- the whole verify step between the draft and the host (`_VerifyGraph`, `run_verify`:
+  `ddtree.verify_step`'s tree build, verify inputs, target forward, token choice and acceptance),
+  one per (B, budget, P, draft depth, vocab, all-greedy). The drafter runs before it, eagerly;
+  the host then reads the packed acceptance with the step's one device-to-host copy.
+B is the batch padded to a bucket and P a power of two >= the longest prefix. Inputs are copied
+into static buffers before `replay()`; outputs are static tensors, valid until the next replay.
+Padding blocks write their latents to scratch slots reserved at start-up, have no prefix, and
+see only their own block (zero draft logits give them a tree of their own).
 
-Status: `EngineConfig.cuda_graphs` defaults to False (the engine alone runs eagerly); the
-serving config (`ServeConfig`) turns it on by default on CUDA with 16-bit dtypes, so
-`ddserve serve` replays graphs there (validated at tp = 2 over NCCL on two H200s). On an H200
-`tests/gpu/test_engine_gpu.py` passed (graph replay equals the eager forward; DDTree with graphs
-frees every slot) and the K2.6 engine benchmark ran with graphs (BENCHMARKS.md). Graphs must be
-freed before their NCCL communicator is destroyed (NCCL >= 2.26 waits for them): call `close()`
-first.
+`EngineConfig.cuda_graphs` defaults to False (the engine alone runs eagerly); the serving config
+(`ServeConfig`) turns it on by default on CUDA with 16-bit dtypes. tests/gpu/test_engine_gpu.py
+checks graph replay against the eager path. Graphs must be freed before their NCCL communicator
+is destroyed (NCCL >= 2.26 waits for them): call `close()` first.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from ddserve.ddtree import select_tokens, verify_step
 from ddserve.kernels.tree_attn import TreeAttnMeta
 
 log = logging.getLogger(__name__)
@@ -36,32 +37,29 @@ def _pow2_at_least(n: int, floor: int = 256) -> int:
     return p
 
 
+def _capture(fn, device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn() run once on a side stream (lazy inits and autotuning happen outside the capture),
+    then captured; returns the graph and fn's output (static tensors, rewritten by replays)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 class _Graph:
     """Static buffers and one captured forward for a (B, Q, P) key."""
 
     def __init__(self, run_model, b: int, q: int, p: int, scratch: list[int], device) -> None:
-        t = b * q
-        z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
-        self.ids, self.pos = z(t), z(t)
-        self.meta = TreeAttnMeta(
-            q_starts=torch.arange(b, device=device) * q,
-            q_lens=torch.full((b,), q, dtype=torch.long, device=device),
-            prefix_slots=z(b, p),
-            prefix_lens=z(b),
-            block_slots=torch.tensor(scratch[:t], dtype=torch.long, device=device),
-            block_mask=torch.eye(q, dtype=torch.bool, device=device).repeat(b, 1, 1),
-        )
+        self.ids = torch.zeros(b * q, dtype=torch.long, device=device)
+        self.pos = torch.zeros_like(self.ids)
+        self.meta, self._scratch, self._eye = _static_meta(b, q, p, scratch, device)
         self.q = q
-        self._scratch = self.meta.block_slots.clone()  # [t] padding rows write here
-        self._eye = self.meta.block_mask.clone()  # [b, q, q] padding blocks see themselves
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up: lazy inits and autotuning happen outside capture
-            run_model(self.ids, self.pos, self.meta)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = run_model(self.ids, self.pos, self.meta)
+        self.graph, self.out = _capture(lambda: run_model(self.ids, self.pos, self.meta), device)
 
     def replay(self, ids, pos, prefix, prefix_lens, block_slots, mask):
         """Actual inputs for the first n = len(prefix_lens) blocks; the rest reset to padding."""
@@ -71,15 +69,76 @@ class _Graph:
         self.pos[:rows].copy_(pos)
         self.ids[rows:].zero_()
         self.pos[rows:].zero_()
-        m.prefix_slots[:n, : prefix.shape[1]].copy_(prefix)
-        m.prefix_lens[:n].copy_(prefix_lens)
-        m.prefix_lens[n:].zero_()
-        m.block_slots[:rows].copy_(block_slots)
-        m.block_slots[rows:].copy_(self._scratch[rows:])
+        _fill_meta(m, n, rows, prefix, prefix_lens, block_slots, self._scratch)
         m.block_mask[:n].copy_(mask)
         m.block_mask[n:].copy_(self._eye[n:])
         self.graph.replay()
         return self.out
+
+
+class _VerifyGraph:
+    """One captured `verify_step` (tree build, verify inputs, target forward, token choice,
+    acceptance) for a (B, budget, P, D, V, greedy) key. Padding blocks get zero draft logits and
+    no prefix: their tree rows write to scratch slots and see only their own block."""
+
+    def __init__(self, run_model, b, n, p, depth, vocab, greedy, scratch, device) -> None:
+        q = n + 1
+        self.meta, self._scratch, _ = _static_meta(b, q, p, scratch, device)
+        self.q = q
+        self.draft = torch.zeros(b, depth, vocab, dtype=torch.float32, device=device)
+        self.bonus = torch.zeros(b, dtype=torch.long, device=device)
+        # rows: temperature, top_p (float) / top_k, seed, step (int64), one host copy each
+        self.fparams = torch.zeros(2, b, dtype=torch.float32, device=device)
+        self.iparams = torch.zeros(3, b, dtype=torch.long, device=device)
+
+        def forward(ids, pos, visible):
+            self.meta.block_mask.copy_(visible)
+            return run_model(ids, pos, self.meta)
+
+        def select(logits):
+            (temp, top_p), (top_k, seeds, steps) = self.fparams, self.iparams
+            return select_tokens(logits, temp, top_k, top_p, seeds, steps, all_greedy=greedy)
+
+        def step():
+            return verify_step(forward, select, self.draft, self.bonus, self.meta.prefix_lens, n)
+
+        self.graph, self.out = _capture(step, device)
+
+    def replay(self, draft, bonus, prefix, prefix_lens, block_slots, fparams, iparams):
+        n = prefix_lens.shape[0]
+        self.draft[:n].copy_(draft)
+        self.draft[n:].zero_()
+        self.bonus[:n].copy_(bonus)
+        self.bonus[n:].zero_()
+        self.fparams[:, :n].copy_(fparams)
+        self.iparams[:, :n].copy_(iparams)
+        _fill_meta(self.meta, n, n * self.q, prefix, prefix_lens, block_slots, self._scratch)
+        self.graph.replay()
+        return self.out
+
+
+def _static_meta(b: int, q: int, p: int, scratch: list[int], device):
+    """Static attention metadata for B blocks of Q rows and P prefix slots (padding: scratch
+    slots, no prefix, each block seeing only itself), its scratch slots and identity masks."""
+    t = b * q
+    meta = TreeAttnMeta(
+        q_starts=torch.arange(b, device=device) * q,
+        q_lens=torch.full((b,), q, dtype=torch.long, device=device),
+        prefix_slots=torch.zeros(b, p, dtype=torch.long, device=device),
+        prefix_lens=torch.zeros(b, dtype=torch.long, device=device),
+        block_slots=torch.tensor(scratch[:t], dtype=torch.long, device=device),
+        block_mask=torch.eye(q, dtype=torch.bool, device=device).repeat(b, 1, 1),
+    )
+    return meta, meta.block_slots.clone(), meta.block_mask.clone()
+
+
+def _fill_meta(m: TreeAttnMeta, n: int, rows: int, prefix, prefix_lens, block_slots, scratch):
+    """The first n blocks' prefix and slots; the blocks past them back to padding."""
+    m.prefix_slots[:n, : prefix.shape[1]].copy_(prefix)
+    m.prefix_lens[:n].copy_(prefix_lens)
+    m.prefix_lens[n:].zero_()
+    m.block_slots[:rows].copy_(block_slots)
+    m.block_slots[rows:].copy_(scratch[rows:])
 
 
 class GraphedForward:
@@ -90,11 +149,16 @@ class GraphedForward:
         self._run_model, self.buckets = run_model, tuple(sorted(buckets))
         self._scratch, self._device = scratch, torch.device(device)
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._verify: dict[tuple, _VerifyGraph] = {}
+
+    def _bucket(self, n: int, q: int) -> int | None:
+        b = next((x for x in self.buckets if x >= n), None)
+        return None if b is None or b * q > len(self._scratch) else b
 
     def run(self, ids, pos, prefix, prefix_lens, block_slots, mask, q: int):
         n = prefix_lens.shape[0]
-        b = next((x for x in self.buckets if x >= n), None)
-        if b is None or b * q > len(self._scratch):
+        b = self._bucket(n, q)
+        if b is None:
             return None
         key = (b, q, _pow2_at_least(prefix.shape[1]))
         g = self._graphs.get(key)
@@ -105,6 +169,27 @@ class GraphedForward:
         hidden = None if out.hidden is None else out.hidden[: n * q].clone()  # small; kept later
         return type(out)(logits=out.logits[: n * q], hidden=hidden)  # logits: until next replay
 
+    def run_verify(
+        self, draft, bonus, prefix, prefix_lens, block_slots, fparams, iparams, budget, greedy
+    ):
+        """`verify_step` over the first n = len(prefix_lens) blocks by replaying one graph:
+        (packed acceptance [n, .], the accepted rows' hidden states [n, D'+1, C] or None), or
+        None when the shape is not graphable. fparams [2, n] (temperature, top_p) and iparams
+        [3, n] (top_k, seed, step) are the streams' sampling inputs."""
+        n = prefix_lens.shape[0]
+        b = self._bucket(n, budget + 1)
+        if b is None:
+            return None
+        depth, vocab = draft.shape[1:]
+        key = (b, budget, _pow2_at_least(prefix.shape[1]), depth, vocab, greedy)
+        g = self._verify.get(key)
+        if g is None:
+            log.info("capturing the verify step for blocks=%d budget=%d prefix<=%d", *key[:3])
+            g = self._verify[key] = _VerifyGraph(self._run_model, *key, self._scratch, self._device)
+        packed, hidden = g.replay(draft, bonus, prefix, prefix_lens, block_slots, fparams, iparams)
+        return packed[:n], None if hidden is None else hidden[:n].clone()
+
     def close(self) -> None:
         self._graphs.clear()
+        self._verify.clear()
         torch.cuda.synchronize(self._device)

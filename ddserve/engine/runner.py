@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ddserve.config import ModelConfig
-from ddserve.ddtree import accept, block_meta, build_tree, select_tokens, verify_inputs
+from ddserve.ddtree import block_meta, select_tokens, verify_step
 from ddserve.ddtree.verify import causal_masks
 from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.base import Drafter
@@ -224,6 +224,34 @@ class ModelRunner:
                 return out
         return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask))
 
+    def _verify(self, sts: list[Stream], draft, bonus, blocks: list[list[int]], n: int):
+        """`verify_step` for these streams (their budget-n trees in `blocks`' slots): one graph
+        replay when graphs are on and the shape fits, else eagerly."""
+        lens = [len(st.slots) for st in sts]
+        if self._graphs is not None:
+            prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
+            params = [st.params for st in sts]
+            fparams = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]])
+            iparams = torch.tensor(
+                [[p.top_k for p in params], [st.seed for st in sts], [st.steps for st in sts]]
+            )
+            res = self._graphs.run_verify(
+                draft, bonus, prefix, torch.tensor(lens).to(self.device),
+                torch.tensor([s for b in blocks for s in b]).to(self.device),
+                fparams.to(self.device), iparams.to(self.device), n,
+                all(p.greedy for p in params),
+            )  # fmt: skip
+            if res is not None:
+                self.target_forwards += 1
+                return res
+
+        def forward(ids, pos, visible):
+            return self._forward(ids, pos, self._meta(sts, [n + 1] * len(sts), blocks, visible))
+
+        prefix_lens = torch.tensor(lens, device=self.device)  # [B]
+        select = lambda logits: self._sample(sts, logits)  # noqa: E731
+        return verify_step(forward, select, draft, bonus, prefix_lens, n)
+
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
         with backend.kernel_mode(self.kernels):
@@ -374,20 +402,12 @@ class ModelRunner:
             return self.ar_step(sids)
         sts = self._active(sids)
         bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
-        tree = build_tree(self.drafter.draft(list(sids), bonus), n)
+        draft = self.drafter.draft(list(sids), bonus)  # [B, D, V]
         blocks = self._alloc_scratch([n + 1] * len(sts))
         with self._free_on_error(blocks):
-            prefix_lens = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
-            ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B*(N+1)] each
-            out = self._decode_forward(sts, n + 1, blocks, tree.visible, ids, pos)
-            target = self._sample(sts, out.logits.view(len(sts), n + 1, -1))  # [B, N+1]
-            acc = accept(tree, target)
-            packed = acc.packed().tolist()  # the step's one D2H copy
-        hidden = None
-        if out.hidden is not None:
-            h = out.hidden.view(len(sts), n + 1, -1)  # [B, N+1, C]
-            hidden = h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1]))  # [B, D+1, C]
-        width = acc.path.shape[1]
+            packed_t, hidden = self._verify(sts, draft, bonus, blocks, n)
+            packed = packed_t.tolist()  # the step's one D2H copy
+        width = (len(packed[0]) - 1) // 2
         outs, kept_slots = {}, []
         for i, (st, block) in enumerate(zip(sts, blocks, strict=True)):
             k = packed[i][0]

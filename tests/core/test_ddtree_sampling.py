@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
-import ddserve.engine.runner as runner_mod
+import ddserve.ddtree.verify as verify_mod
 from ddserve.ddtree.accept import accept
 from ddserve.ddtree.sampling import select_tokens
 from ddserve.drafter.testing import _ContextDrafter
@@ -165,7 +165,7 @@ def test_wrong_acceptance_rule_is_caught(setup, monkeypatch) -> None:
         return accept(tree, torch.where(ok.any(-1), first, target))
 
     monkeypatch.setattr(runner, "_sample", spy)
-    monkeypatch.setattr(runner_mod, "accept", wrong_accept)
+    monkeypatch.setattr(verify_mod, "accept", wrong_accept)
     dd = sample(runner, speculative=True, seed0=50_000)
     assert (
         min(same_distribution(a, b) for a, b in zip(marginals(ar), marginals(dd), strict=True))

@@ -128,5 +128,29 @@ def test_ddtree_with_graphs_finishes_and_frees_every_slot(model_dir) -> None:
         runner.ddtree_step(list(runner.streams))
         steps += 1
     assert not runner.streams and runner.free_slots == start
-    assert runner._graphs is not None and runner._graphs._graphs  # it did capture and replay
+    assert runner._graphs is not None and runner._graphs._verify  # it did capture and replay
     runner.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_captured_verify_step_equals_the_eager_one_and_ar(model_dir, temperature) -> None:
+    """The whole verify step (tree build, forward, token choice, acceptance) replayed from one
+    graph gives the eager step's tokens exactly (bf16, batch-invariant kernels, 3 streams padded
+    to the bucket of 4), and at temperature 0 plain AR's."""
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=20, temperature=temperature, top_k=20, seed=7)
+    outs = {}
+    for graphs in (False, True):
+        cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
+        drafter = model_dir / "drafter"
+        runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=drafter, device="cuda")
+        start = runner.free_slots
+        outs[graphs] = run_all(runner, prompts, params, speculative=True)
+        assert runner.free_slots == start
+        assert bool(graphs) == bool(runner._graphs and runner._graphs._verify)
+        runner.close()
+    assert outs[True] == outs[False]
+    if temperature == 0.0:
+        cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16")
+        ar = run_all(ModelRunner(model_dir, engine_cfg=cfg, device="cuda"), prompts, params, False)
+        assert outs[True] == ar
