@@ -148,9 +148,12 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=
     if splits:  # the invariant kernel at each SPLIT (keys per split), its output vs the default
         row["inv_splits"] = []
         for sp in splits:
-            split, _, bn = sp.partition("/")
-            cfg = {"SPLIT": int(split), **({"BN": int(bn)} if bn else {})}
-            o = triton_path(cfg, True)
+            cfg = parse_config(sp)
+            try:
+                o = triton_path(cfg, True)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                row["inv_splits"].append(dict(config=cfg, ms=float("inf"), error=repr(exc)[:200]))
+                continue
             ms = time_ms(lambda cfg=cfg: triton_path(cfg, True), rep=50)
             err = rel_err(o.view(nb, ql, h, r), ref32)
             row["inv_splits"].append(dict(config=cfg, ms=ms, err_vs_ref32=err))
@@ -172,6 +175,15 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=
     return row
 
 
+def parse_config(text: str) -> dict:
+    """ "256" -> SPLIT 256; "256/64" -> SPLIT 256, BN 64; "SPLIT=256/num_stages=3" -> those keys."""
+    cfg, plain = {}, iter(("SPLIT", "BN"))
+    for part in text.split("/"):
+        key, _, val = part.rpartition("=")
+        cfg[key or next(plain)] = int(val)
+    return cfg
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -187,7 +199,8 @@ def main() -> None:
     ap.add_argument(
         "--splits",
         default="",
-        help="time the invariant kernel at each SPLIT or SPLIT/BN (e.g. 128,256/64)",
+        help="time the invariant kernel at each configuration: SPLIT, SPLIT/BN or key=value/... "
+        "(e.g. 128,256/64,SPLIT=256/num_stages=3/num_warps=4)",
     )
     ap.add_argument(
         "--pad-pow2",
