@@ -155,8 +155,15 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def draft(self, sids: Sequence[Hashable], bonus: Tensor) -> Tensor:
         """bonus [B] (each stream's last committed token) -> per-depth logits [B, D, V] float32."""
-        b, q_len, dev = len(sids), self.cfg.block_size, self.cache.k.device
-        rows = self.cache.rows(sids)  # [B]
+        return self.draft_rows(self.cache.rows(sids), bonus)
+
+    def device_rows(self, sids: list) -> Tensor:
+        return self.cache.rows(sids)
+
+    @torch.inference_mode()
+    def draft_rows(self, rows: Tensor, bonus: Tensor) -> Tensor:
+        """`draft` for the context-cache rows [B] of the streams (pure tensor code)."""
+        b, q_len, dev = rows.shape[0], self.cfg.block_size, self.cache.k.device
         ids = torch.full((b, q_len), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = bonus.to(dev)
         x = self.target.embed(ids.reshape(-1)).reshape(b, q_len, -1)  # [B, Q, H]

@@ -5,8 +5,10 @@ The eager engine is launch-bound (a K2.6 rank forward is ~3,600 kernels). Two ki
   per block Q, prefix capacity P);
 - the whole verify step between the draft and the host (`_VerifyGraph`, `run_verify`:
   `ddtree.verify_step`'s tree build, verify inputs, target forward, token choice and acceptance),
-  one per (B, budget, P, draft depth, vocab, all-greedy). The drafter runs before it, eagerly;
-  the host then reads the packed acceptance with the step's one device-to-host copy.
+  one per (B, budget, P, drafter, all-greedy). A drafter whose draft is pure tensor code
+  (`Drafter.device_rows`, DFlash) is captured in the same graph; others run before it, eagerly,
+  and their logits are copied in. The host then reads the packed acceptance with the step's one
+  device-to-host copy.
 B is the batch padded to a bucket and P a power of two >= the longest prefix. Inputs are copied
 into static buffers before `replay()`; outputs are static tensors, valid until the next replay.
 Padding blocks write their latents to scratch slots reserved at start-up, have no prefix, and
@@ -78,15 +80,20 @@ class _Graph:
 
 class _VerifyGraph:
     """One captured `verify_step` (tree build, verify inputs, target forward, token choice,
-    acceptance) for a (B, budget, P, D, V, greedy) key. Padding blocks get zero draft logits and
-    no prefix: their tree rows write to scratch slots and see only their own block."""
+    acceptance), preceded by the draft itself when the drafter can be captured (`drafter`, its
+    `draft_rows` from static state rows), else fed the drafter's logits [B, D, V] (`draft_shape`
+    (D, V)). Padding blocks draft from row 0 or get zero logits, have no prefix, write to scratch
+    slots and see only their own block."""
 
-    def __init__(self, run_model, b, n, p, depth, vocab, greedy, scratch, device) -> None:
+    def __init__(self, run_model, b, n, p, drafter, draft_shape, greedy, scratch, device) -> None:
         q = n + 1
         self.meta, self._scratch, _ = _static_meta(b, q, p, scratch, device)
         self.q = q
-        self.draft = torch.zeros(b, depth, vocab, dtype=torch.float32, device=device)
         self.bonus = torch.zeros(b, dtype=torch.long, device=device)
+        self.rows = torch.zeros(b, dtype=torch.long, device=device)  # drafter state rows
+        self.draft = None
+        if drafter is None:
+            self.draft = torch.zeros(b, *draft_shape, dtype=torch.float32, device=device)
         # rows: temperature, top_p (float) / top_k, seed, step (int64), one host copy each
         self.fparams = torch.zeros(2, b, dtype=torch.float32, device=device)
         self.iparams = torch.zeros(3, b, dtype=torch.long, device=device)
@@ -100,14 +107,19 @@ class _VerifyGraph:
             return select_tokens(logits, temp, top_k, top_p, seeds, steps, all_greedy=greedy)
 
         def step():
-            return verify_step(forward, select, self.draft, self.bonus, self.meta.prefix_lens, n)
+            draft = self.draft if drafter is None else drafter.draft_rows(self.rows, self.bonus)
+            return verify_step(forward, select, draft, self.bonus, self.meta.prefix_lens, n)
 
         self.graph, self.out = _capture(step, device)
 
-    def replay(self, draft, bonus, prefix, prefix_lens, block_slots, fparams, iparams):
+    def replay(self, draft, rows, bonus, prefix, prefix_lens, block_slots, fparams, iparams):
         n = prefix_lens.shape[0]
-        self.draft[:n].copy_(draft)
-        self.draft[n:].zero_()
+        if self.draft is not None:
+            self.draft[:n].copy_(draft)
+            self.draft[n:].zero_()
+        else:
+            self.rows[:n].copy_(rows)
+            self.rows[n:].zero_()
         self.bonus[:n].copy_(bonus)
         self.bonus[n:].zero_()
         self.fparams[:, :n].copy_(fparams)
@@ -170,23 +182,26 @@ class GraphedForward:
         return type(out)(logits=out.logits[: n * q], hidden=hidden)  # logits: until next replay
 
     def run_verify(
-        self, draft, bonus, prefix, prefix_lens, block_slots, fparams, iparams, budget, greedy
-    ):
-        """`verify_step` over the first n = len(prefix_lens) blocks by replaying one graph:
-        (packed acceptance [n, .], the accepted rows' hidden states [n, D'+1, C] or None), or
-        None when the shape is not graphable. fparams [2, n] (temperature, top_p) and iparams
-        [3, n] (top_k, seed, step) are the streams' sampling inputs."""
+        self, draft, rows, drafter, bonus, prefix, prefix_lens, block_slots, fparams, iparams,
+        budget, greedy,
+    ):  # fmt: skip
+        """`verify_step` over the first n = len(prefix_lens) blocks by replaying one graph, with
+        the draft inside it (`drafter.draft_rows(rows, bonus)`) when `draft` is None: (packed
+        acceptance [n, .], the accepted rows' hidden states [n, D'+1, C] or None), or None when
+        the shape is not graphable. fparams [2, n] (temperature, top_p) and iparams [3, n]
+        (top_k, seed, step) are the streams' sampling inputs."""
         n = prefix_lens.shape[0]
         b = self._bucket(n, budget + 1)
         if b is None:
             return None
-        depth, vocab = draft.shape[1:]
-        key = (b, budget, _pow2_at_least(prefix.shape[1]), depth, vocab, greedy)
+        source = (None, tuple(draft.shape[1:])) if draft is not None else (drafter, None)
+        key = (b, budget, _pow2_at_least(prefix.shape[1]), *source, greedy)
         g = self._verify.get(key)
         if g is None:
             log.info("capturing the verify step for blocks=%d budget=%d prefix<=%d", *key[:3])
             g = self._verify[key] = _VerifyGraph(self._run_model, *key, self._scratch, self._device)
-        packed, hidden = g.replay(draft, bonus, prefix, prefix_lens, block_slots, fparams, iparams)
+        out = g.replay(draft, rows, bonus, prefix, prefix_lens, block_slots, fparams, iparams)
+        packed, hidden = out
         return packed[:n], None if hidden is None else hidden[:n].clone()
 
     def close(self) -> None:

@@ -224,9 +224,10 @@ class ModelRunner:
                 return out
         return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask))
 
-    def _verify(self, sts: list[Stream], draft, bonus, blocks: list[list[int]], n: int):
-        """`verify_step` for these streams (their budget-n trees in `blocks`' slots): one graph
-        replay when graphs are on and the shape fits, else eagerly."""
+    def _verify(self, sts: list[Stream], draft, rows, bonus, blocks: list[list[int]], n: int):
+        """`verify_step` for these streams (their budget-n trees in `blocks`' slots) from the
+        drafter's logits `draft`, or, when it is None, from its state `rows` (the draft then runs
+        in the same graph): one graph replay when graphs are on and the shape fits, else eagerly."""
         lens = [len(st.slots) for st in sts]
         if self._graphs is not None:
             prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
@@ -236,7 +237,7 @@ class ModelRunner:
                 [[p.top_k for p in params], [st.seed for st in sts], [st.steps for st in sts]]
             )
             res = self._graphs.run_verify(
-                draft, bonus, prefix, torch.tensor(lens).to(self.device),
+                draft, rows, self.drafter, bonus, prefix, torch.tensor(lens).to(self.device),
                 torch.tensor([s for b in blocks for s in b]).to(self.device),
                 fparams.to(self.device), iparams.to(self.device), n,
                 all(p.greedy for p in params),
@@ -244,6 +245,8 @@ class ModelRunner:
             if res is not None:
                 self.target_forwards += 1
                 return res
+        if draft is None:
+            draft = self.drafter.draft_rows(rows, bonus)  # [B, D, V]
 
         def forward(ids, pos, visible):
             return self._forward(ids, pos, self._meta(sts, [n + 1] * len(sts), blocks, visible))
@@ -402,10 +405,11 @@ class ModelRunner:
             return self.ar_step(sids)
         sts = self._active(sids)
         bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
-        draft = self.drafter.draft(list(sids), bonus)  # [B, D, V]
+        rows = self.drafter.device_rows(list(sids)) if self._graphs is not None else None
+        draft = self.drafter.draft(list(sids), bonus) if rows is None else None  # [B, D, V]
         blocks = self._alloc_scratch([n + 1] * len(sts))
         with self._free_on_error(blocks):
-            packed_t, hidden = self._verify(sts, draft, bonus, blocks, n)
+            packed_t, hidden = self._verify(sts, draft, rows, bonus, blocks, n)
             packed = packed_t.tolist()  # the step's one D2H copy
         width = (len(packed[0]) - 1) // 2
         outs, kept_slots = {}, []
