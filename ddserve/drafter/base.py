@@ -25,6 +25,12 @@ class Drafter(ABC):
     def commit(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
         """Tokens whose target hidden states now exist (root + accepted nodes each step)."""
 
+    def commit_many(self, items: list[tuple[Hashable, list[int], Tensor | None]]) -> None:
+        """`commit` for several streams at once (sid, token_ids, hidden); the engine calls this
+        once per step. Drafters that can batch the work override it."""
+        for sid, token_ids, hidden in items:
+            self.commit(sid, token_ids, hidden)
+
     @abstractmethod
     def draft(self, sids: list, bonus: Tensor) -> Tensor:
         """bonus [B] (each stream's last committed token) -> [B, D, V] per-depth logits."""

@@ -78,6 +78,26 @@ class ContextCache:
         self._host_len[sid] = start + t
         self.lengths[row] = start + t
 
+    def append_many(self, items: list[tuple[Hashable, int, int]], k: Tensor, v: Tensor) -> None:
+        """`append` for several streams with one write: items (sid, start, T) in order; k, v
+        [L, sum T, KVH, Dh] their rows laid end to end. `append`'s rules hold per stream."""
+        rows, idx, lens = [], [], []
+        for sid, start, t in items:
+            n = self._host_len[sid]
+            if start < n or (start > n and t != self.capacity) or t > self.capacity:
+                raise ValueError(f"context append at {start} (len {t}) does not follow length {n}")
+            rows += [self._rows[sid]] * t
+            idx += [(start + i) % self.capacity for i in range(t)]
+            lens.append(start + t)
+        dev = self.k.device
+        r, i = torch.tensor(rows, device=dev), torch.tensor(idx, device=dev)  # [sum T] each
+        self.k[:, r, i] = k.to(self.k.dtype)
+        self.v[:, r, i] = v.to(self.v.dtype)
+        sid_rows = torch.tensor([self._rows[sid] for sid, _, _ in items], device=dev)
+        self.lengths[sid_rows] = torch.tensor(lens, device=dev)
+        for (sid, _, _), n in zip(items, lens, strict=True):
+            self._host_len[sid] = n
+
     def rows(self, sids: Sequence[Hashable]) -> Tensor:
         """Pool rows of `sids`, in order: [B] long on the cache's device."""
         return torch.tensor([self._rows[s] for s in sids], dtype=torch.long, device=self.k.device)

@@ -137,7 +137,25 @@ class DFlashDrafter(Drafter):
         self._append(sid, token_ids, hidden)
 
     @torch.inference_mode()
-    def _append(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
+    def commit_many(self, items: list[tuple[Hashable, list[int], Tensor | None]]) -> None:
+        """One context forward for every stream's committed tokens (their hidden states laid
+        end to end), one write into the ring: a step's commit costs the same launches for 1
+        stream as for 10."""
+        if len(items) == 1:
+            self._append(*items[0])
+            return
+        hiddens, positions, appends = [], [], []
+        for sid, token_ids, hidden in items:
+            start, keep, hidden = self._checked(sid, token_ids, hidden)
+            hiddens.append(hidden)
+            positions.append(torch.arange(start, start + keep, device=self.cache.k.device))
+            appends.append((sid, start, keep))
+        dev = self.cache.k.device
+        k, v = self.model.context_kv(torch.cat(hiddens).to(dev), torch.cat(positions))
+        self.cache.append_many(appends, k, v)
+
+    def _checked(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None):
+        """(start position, rows kept, their reordered hidden states) of one commit."""
         t = len(token_ids)
         if hidden is None or hidden.shape[0] != t:
             got = None if hidden is None else tuple(hidden.shape)
@@ -146,8 +164,11 @@ class DFlashDrafter(Drafter):
         if not self._exact_ring and n + t > self.cache.capacity:
             raise ValueError(f"drafter context {n + t} exceeds max_context {self.cache.capacity}")
         keep = min(t, self.cache.capacity)  # older rows would be overwritten within this chunk
-        hidden = self._reorder(hidden[t - keep :])  # [keep, k*H]
-        start = n + t - keep
+        return n + t - keep, keep, self._reorder(hidden[t - keep :])  # [keep, k*H]
+
+    @torch.inference_mode()
+    def _append(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
+        start, keep, hidden = self._checked(sid, token_ids, hidden)
         pos = torch.arange(start, start + keep, device=self.cache.k.device)  # [keep]
         k, v = self.model.context_kv(hidden.to(self.cache.k.device), pos)  # [L, keep, KVH, Dh]
         self.cache.append(sid, k, v, start)

@@ -374,14 +374,15 @@ class ModelRunner:
             ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
             out = self._decode_forward(sts, 1, new, ones, ids, pos)
             toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
-        outs = {}
+        outs, commits = {}, []
         for i, (st, tok) in enumerate(zip(sts, toks, strict=True)):
-            if self.drafter is not None:
-                h = out.hidden[i : i + 1] if out.hidden is not None else None
-                self.drafter.commit(st.sid, [st.output[-1]], h)
+            h = out.hidden[i : i + 1] if out.hidden is not None else None
+            commits.append((st.sid, [st.output[-1]], h))
             st.steps += 1
             st.committed.append(1)
             outs[st.sid] = st.emit([tok])
+        if self.drafter is not None:
+            self.drafter.commit_many(commits)
         self._keep_slots(list(zip(sts, new, strict=True)))
         return self._finish(outs)
 
@@ -412,7 +413,7 @@ class ModelRunner:
             packed_t, hidden = self._verify(sts, draft, rows, bonus, blocks, n)
             packed = packed_t.tolist()  # the step's one D2H copy
         width = (len(packed[0]) - 1) // 2
-        outs, kept_slots = {}, []
+        outs, kept_slots, commits = {}, [], []
         for i, (st, block) in enumerate(zip(sts, blocks, strict=True)):
             k = packed[i][0]
             path, toks = packed[i][1 : 1 + k], packed[i][1 + width : 1 + width + k]
@@ -420,11 +421,11 @@ class ModelRunner:
             kept = set(path)
             self.allocator.free([s for r, s in enumerate(block) if r not in kept])
             kept_slots.append((st, keep))
-            self.drafter.commit(
-                st.sid, [st.output[-1]] + toks[:-1], hidden[i, :k] if hidden is not None else None
-            )
+            h = hidden[i, :k] if hidden is not None else None
+            commits.append((st.sid, [st.output[-1]] + toks[:-1], h))
             st.steps += 1
             st.committed.append(k)
             outs[st.sid] = dataclasses.replace(st.emit(toks), accepted_rows=tuple(path[1:]))
+        self.drafter.commit_many(commits)
         self._keep_slots(kept_slots)
         return self._finish(outs)

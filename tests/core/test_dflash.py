@@ -164,9 +164,9 @@ def test_module_matches_plain_restatement(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_incremental_context_equals_recompute(case):
-    """Many steps with random acceptance (1..block_size tokens committed), streams joining and
-    leaving, batches in shuffled order: the ring gives what a fresh drafter given the whole
-    history gives, including long after the window wrapped."""
+    """Many steps with random acceptance (1..block_size tokens committed, per stream or batched
+    by `commit_many`), streams joining and leaving, batches in shuffled order: the ring gives what
+    a fresh drafter given the whole history gives, including long after the window wrapped."""
     raw = drafter_raw(**CASES[case])
     model, _ = make_model(raw, seed=3)
     target = FakeTarget(seed=1)
@@ -184,9 +184,16 @@ def test_incremental_context_equals_recompute(case):
             sid, next_sid = f"s{next_sid}", next_sid + 1
             history[sid] = torch.randn(rng.randint(1, 20), k * H, generator=g)
             inc.add_stream(sid, [0] * history[sid].shape[0], history[sid])
-        for sid in history:
-            new = torch.randn(rng.randint(1, raw["block_size"]), k * H, generator=g)
-            inc.commit(sid, [0] * new.shape[0], new)
+        news = {
+            sid: torch.randn(rng.randint(1, raw["block_size"]), k * H, generator=g)
+            for sid in history
+        }
+        if step % 2:  # one stream at a time, or all in one batched commit
+            for sid, new in news.items():
+                inc.commit(sid, [0] * new.shape[0], new)
+        else:
+            inc.commit_many([(sid, [0] * new.shape[0], new) for sid, new in news.items()])
+        for sid, new in news.items():
             history[sid] = torch.cat([history[sid], new])
         sids = rng.sample(sorted(history), len(history))
         bonus = torch.randint(0, V, (len(sids),), generator=g)

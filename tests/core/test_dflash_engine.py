@@ -29,8 +29,13 @@ def test_ddtree_greedy_with_dflash_equals_autoregressive(dflash_setup, budget, b
     runner = make_runner(model_dir, budget, drafter=drafter_dir)
     drafter = runner.drafter
     assert isinstance(drafter, DFlashDrafter) and drafter.cache.capacity == 16
-    commits, commit = [], drafter.commit
-    drafter.commit = lambda sid, ids, hidden: commits.append(len(ids)) or commit(sid, ids, hidden)
+    commits, commit_many = [], drafter.commit_many
+
+    def spy(items):  # the engine commits every stream of a step in one call
+        commits.extend(len(ids) for _, ids, _ in items)
+        return commit_many(items)
+
+    drafter.commit_many = spy
     start = runner.free_slots
     params = SamplingParams(max_tokens=ENGINE_MAX, ignore_eos=True)
     assert run_all(runner, ENGINE_PROMPTS[:batch], params, True) == ref[:batch]
