@@ -97,8 +97,8 @@ def _rope(x_ptr, j, P: tl.constexpr, ok, c, s, INTERLEAVE: tl.constexpr):
 def _mla_rope_cache_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, q_ptr, qpe_ptr,
     R, H, skv, scache, sq, sqh, eps,
-    Q_OFF: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
+    Q_OFF: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
     """Token row t: cache[slots[t]] = [rms_norm(kv[t, :R]) | rope(kv[t, R:])] in the cache's
     dtype; qpe[t] = rope(q[t, :, Q_OFF:]) [H, P]. cos/sin and qpe are contiguous."""
@@ -112,15 +112,16 @@ def _mla_rope_cache_kernel(
     dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * scache
     tl.store(dst + cols, c_kv.to(cache_ptr.dtype.element_ty), mask=ok)
     # RoPE of k_pe, the last P values of the row
-    j = tl.arange(0, P)  # [P]
-    c = tl.load(cos_ptr + row * P + j).to(tl.float32)
-    s = tl.load(sin_ptr + row * P + j).to(tl.float32)
-    k_pe = _rope(kv_row + R, j, P, j < P, c, s, INTERLEAVE)  # [P]
-    tl.store(dst + R + j, k_pe.to(cache_ptr.dtype.element_ty))
+    j = tl.arange(0, BLOCK_P)  # [BP]
+    j_ok = j < P
+    c = tl.load(cos_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
+    k_pe = _rope(kv_row + R, j, P, j_ok, c, s, INTERLEAVE)  # [BP]
+    tl.store(dst + R + j, k_pe.to(cache_ptr.dtype.element_ty), mask=j_ok)
     # RoPE of the query heads' rope parts, q[t, h, Q_OFF:]
     h = tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
-    jj = j[None, :]  # [1, P]
-    h_ok = (h < H) & (jj < P)  # [BH, P]
+    jj = j[None, :]  # [1, BP]
+    h_ok = (h < H) & (jj < P)  # [BH, BP]
     q_pe = _rope(q_ptr + row * sq + h * sqh + Q_OFF, jj, P, h_ok, c[None, :], s[None, :],
                  INTERLEAVE)  # fmt: skip
     tl.store(qpe_ptr + (row * H + h) * P + jj, q_pe, mask=h_ok)
@@ -142,7 +143,7 @@ def mla_rope_cache(
     rank, p = norm_weight.shape[0], cos.shape[-1]
     assert kv.dtype in HALF and q.dtype == kv.dtype == cos.dtype == sin.dtype, "16-bit, one dtype"
     assert norm_weight.dtype == kv.dtype, "kv_a_layernorm in the activations' dtype"
-    assert p >= 2 and p & (p - 1) == 0, f"rope dim {p} must be a power of two"
+    assert p >= 2 and p % 2 == 0, f"rope dim {p} must be even"
     assert kv.shape == (t, rank + p) and kv_cache.shape[-1] == rank + p and qd >= p, "shapes"
     assert cos.shape == sin.shape == (t, p) and slots.shape == (t,), "cos / sin / slots"
     assert kv.stride(-1) == 1 and q.stride(-1) == 1 and kv_cache.stride(-1) == 1, "unit stride"
@@ -154,8 +155,9 @@ def mla_rope_cache(
         _mla_rope_cache_kernel[(t,)](
             kv2, norm_weight, cos, sin, slots, kv_cache, q, q_pe,
             rank, heads, skv, kv_cache.stride(0), q.stride(0), q.stride(1), eps,
-            Q_OFF=qd - p, P=p, BLOCK_R=block_r, BLOCK_H=triton.next_power_of_2(heads),
-            INTERLEAVE=interleave, num_warps=_rms_warps(block_r),
+            Q_OFF=qd - p, P=p, BLOCK_P=triton.next_power_of_2(p), BLOCK_R=block_r,
+            BLOCK_H=triton.next_power_of_2(heads), INTERLEAVE=interleave,
+            num_warps=_rms_warps(block_r),
         )  # fmt: skip
     return q_pe
 

@@ -73,8 +73,8 @@ def _mla_inputs(dtype, interleave_seed: int, t=7, heads=3, nope=5, rank=40, p=8,
     return q, kv, w, cos, sin, cache, where
 
 
-def check_mla_rope_cache(fused, inv, dtype: torch.dtype, interleave: bool) -> None:
-    q, kv, w, cos, sin, cache, slots = _mla_inputs(dtype, int(interleave))
+def check_mla_rope_cache(fused, inv, dtype: torch.dtype, interleave: bool, p: int) -> None:
+    q, kv, w, cos, sin, cache, slots = _mla_inputs(dtype, int(interleave), p=p)
     want_cache = cache.clone()
     want_q = mla_rope_cache_ref(q, kv, w, 1e-6, cos, sin, want_cache, slots, interleave,
                                 rms_norm=inv.rms_norm)  # fmt: skip
@@ -119,8 +119,8 @@ CASES = (
     [(f"add_rms_norm[{d},{n}]", check_add_rms_norm, ("inv", d, n))
      for d in HALF for n in (200, 7168)]
     + [("add_rms_norm_strided", check_add_rms_norm_strided, ("inv",))]
-    + [(f"mla_rope_cache[{d},interleave={i}]", check_mla_rope_cache, ("inv", d, i))
-       for d in HALF for i in (False, True)]
+    + [(f"mla_rope_cache[{d},interleave={i},P={p}]", check_mla_rope_cache, ("inv", d, i, p))
+       for d in HALF for i in (False, True) for p in (8, 12)]
     + [("mla_rope_cache_strided_query", check_mla_rope_cache_strided_query, ("inv",))]
     + [(f"silu_mul[{d},{n}]", check_silu_mul, (d, n)) for d in HALF for n in (37, 1100)]
 )  # fmt: skip
