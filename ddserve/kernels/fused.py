@@ -73,7 +73,20 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rope(x_ptr, j, P: tl.constexpr, ok, c, s, INTERLEAVE: tl.constexpr):
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """a * b in fp32 as PTX `mul.rn.f32` (no flush of denormals, as torch's kernels): the
+    compiler would otherwise contract the 16-bit product and the add after it into one fma, one
+    rounding instead of torch's two. The interpreter runs no PTX."""
+    if INTERPRET:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _rope(x_ptr, j, P: tl.constexpr, ok, c, s, INTERLEAVE: tl.constexpr, INTERPRET: tl.constexpr):
     """`fused_ref.apply_rope` on the P values at x_ptr (output lanes j, any shape): x' is x
     de-interleaved or not; out = round(x' * cos) + round(rotate_half(x') * sin), rounded."""
     half: tl.constexpr = P // 2
@@ -88,8 +101,8 @@ def _rope(x_ptr, j, P: tl.constexpr, ok, c, s, INTERLEAVE: tl.constexpr):
     b = tl.load(x_ptr + src_partner, mask=ok, other=0.0).to(tl.float32)
     b = tl.where(lo, -b, b)
     dt = a.dtype
-    first = (a.to(tl.float32) * c).to(dt).to(tl.float32)
-    second = (b * s).to(dt).to(tl.float32)
+    first = _mul_rn(a.to(tl.float32), c, INTERPRET).to(dt).to(tl.float32)
+    second = _mul_rn(b, s, INTERPRET).to(dt).to(tl.float32)
     return (first + second).to(dt)
 
 
@@ -98,7 +111,7 @@ def _mla_rope_cache_kernel(
     kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr, q_ptr, qpe_ptr,
     R, H, skv, scache, sq, sqh, eps,
     Q_OFF: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Token row t: cache[slots[t]] = [rms_norm(kv[t, :R]) | rope(kv[t, R:])] in the cache's
     dtype; qpe[t] = rope(q[t, :, Q_OFF:]) [H, P]. cos/sin and qpe are contiguous."""
@@ -116,14 +129,14 @@ def _mla_rope_cache_kernel(
     j_ok = j < P
     c = tl.load(cos_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
-    k_pe = _rope(kv_row + R, j, P, j_ok, c, s, INTERLEAVE)  # [BP]
+    k_pe = _rope(kv_row + R, j, P, j_ok, c, s, INTERLEAVE, INTERPRET)  # [BP]
     tl.store(dst + R + j, k_pe.to(cache_ptr.dtype.element_ty), mask=j_ok)
     # RoPE of the query heads' rope parts, q[t, h, Q_OFF:]
     h = tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
     jj = j[None, :]  # [1, BP]
     h_ok = (h < H) & (jj < P)  # [BH, BP]
     q_pe = _rope(q_ptr + row * sq + h * sqh + Q_OFF, jj, P, h_ok, c[None, :], s[None, :],
-                 INTERLEAVE)  # fmt: skip
+                 INTERLEAVE, INTERPRET)  # fmt: skip
     tl.store(qpe_ptr + (row * H + h) * P + jj, q_pe, mask=h_ok)
 
 
@@ -157,7 +170,7 @@ def mla_rope_cache(
             rank, heads, skv, kv_cache.stride(0), q.stride(0), q.stride(1), eps,
             Q_OFF=qd - p, P=p, BLOCK_P=triton.next_power_of_2(p), BLOCK_R=block_r,
             BLOCK_H=triton.next_power_of_2(heads), INTERLEAVE=interleave,
-            num_warps=_rms_warps(block_r),
+            INTERPRET=_interpreting(), num_warps=_rms_warps(block_r),
         )  # fmt: skip
     return q_pe
 
