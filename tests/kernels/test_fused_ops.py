@@ -7,7 +7,8 @@ row reduction is checked by tests/gpu/test_fused_gpu.py; against torch's CPU RMS
 order differs, the norms are only close). silu_mul's exp is numpy's here, not libdevice's, so
 against torch's CPU silu it may differ by one 16-bit ulp in rare elements.
 The checks run in one subprocess with TRITON_INTERPRET=1 (set before triton is imported), as in
-tests/kernels/test_invariant_ops.py.
+tests/kernels/test_invariant_ops.py. The `*_sm90` tests compile the kernels for an H200 on the CPU
+and read the PTX for what numpy cannot show (contracted fmas, the reduction's instructions).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -191,6 +193,87 @@ def test_add_rms_norm_and_latent_refs_are_the_unfused_ops(interleave: bool) -> N
     k_pe = apply_rope(kv[:, 40:], cos, sin, interleave)  # [T, P]
     latent = torch.cat([rms_norm_ref(kv[:, :40], nw, 1e-6), k_pe], dim=-1)  # [T, R + P]
     assert torch.equal(cache[slots], latent)
+
+
+# ---- the sm_90 PTX (compiled on the CPU, no GPU needed): what the interpreter cannot show -------
+# The interpreter runs numpy, so it cannot see the compiler contract a 16-bit multiply and add into
+# one fma, nor the order of a row reduction. Compiled here for an H200 (sm_90), the fused kernels'
+# RMSNorm must reduce with `invariant._rms_kernel`'s instruction sequence and their RoPE must
+# round both products before adding them.
+FLOAT_OPS = re.compile(
+    r"^\s*(shfl\.sync\.bfly\.b32|add\.f32|mul\.f32|fma\.rn\.f32|div\.full\.f32|sqrt\.rn\.f32"
+    r"|bar\.sync|ld\.shared\.b32|st\.shared\.b32)\b",
+    re.M,
+)
+HALF_FMA = re.compile(r"\bfma\.rn(\.ftz)?\.(bf16|f16)(x2)?\b")
+
+
+def _ptx(fn, args: dict, constexprs: dict, aligned: tuple[int, ...], warps: int) -> str:
+    """PTX of a kernel for sm_90: `args` name -> type ("*bf16", "i32", ...), constexprs as given;
+    the arguments at `aligned` are divisible by 16 (as the launchers make them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(args, **{k: "constexpr" for k in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except Exception as e:  # noqa: BLE001 - no CUDA backend / ptxas in this triton
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
+    return kernel.asm["ptx"]
+
+
+def _norm_ops(ptx: str) -> list[str]:
+    """The float / reduction instructions up to the 1 / sqrt of the first RMSNorm, in order."""
+    ops = FLOAT_OPS.findall(ptx)
+    return ops[: ops.index("sqrt.rn.f32") + 2]
+
+
+def _rms_ptx(dtype: str, block: int) -> str:
+    from ddserve.kernels import invariant
+
+    args = dict(x_ptr=dtype, w_ptr=dtype, y_ptr=dtype, D="i32", sx="i32", sy="i32", eps="fp32")
+    return _ptx(
+        invariant._rms_kernel, args, dict(BLOCK=block), (0, 1, 2, 3, 4, 5), 8 - 4 * (block <= 4096)
+    )
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
+def test_add_rms_norm_reduces_as_the_invariant_rms_kernel_on_sm90(dtype: str) -> None:
+    require_triton()
+    from ddserve.kernels import fused
+
+    names = ("x_ptr", "r_ptr", "w_ptr", "s_ptr", "y_ptr")
+    args = dict(dict.fromkeys(names, dtype), D="i32", sx="i32", sr="i32", eps="fp32")
+    ptx = _ptx(fused._add_rms_kernel, args, dict(BLOCK=8192), tuple(range(8)), 8)
+    assert _norm_ops(ptx) == _norm_ops(_rms_ptx(dtype, 8192))
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
+def test_mla_rope_cache_on_sm90_keeps_torchs_roundings(dtype: str, interleave: bool) -> None:
+    require_triton()
+    from ddserve.kernels import fused
+
+    names = ("kv_ptr", "w_ptr", "cos_ptr", "sin_ptr", "slots_ptr", "cache_ptr", "q_ptr", "qpe_ptr")
+    args = dict.fromkeys(names, dtype) | dict(slots_ptr="*i64")
+    args |= dict.fromkeys(("R", "H", "skv", "scache", "sq", "sqh"), "i32") | dict(eps="fp32")
+    consts = dict(Q_OFF=128, P=64, BLOCK_P=64, BLOCK_R=512, BLOCK_H=8, INTERLEAVE=interleave,
+                  INTERPRET=False)  # fmt: skip
+    ptx = _ptx(fused._mla_rope_cache_kernel, args, consts, (*range(9), 10, 11, 12, 13), 4)
+    assert HALF_FMA.findall(ptx) == [], "a 16-bit product and add contracted into one fma"
+    assert _norm_ops(ptx) == _norm_ops(_rms_ptx(dtype, 512))
+
+
+def test_silu_mul_on_sm90_divides_as_torch() -> None:
+    require_triton()
+    from ddserve.kernels import fused
+
+    args = dict(gu_ptr="*bf16", y_ptr="*bf16", M="i32", N="i32", sg="i32")
+    ptx = _ptx(fused._silu_mul_kernel, args, dict(BLOCK=1024, INTERPRET=False), (0, 1, 3, 4), 4)
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and not HALF_FMA.findall(ptx)
 
 
 def round_bf16_to_nearest() -> None:
