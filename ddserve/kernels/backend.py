@@ -268,24 +268,35 @@ def _fused_for(op: str, x: torch.Tensor):
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, n): s = x + residual in x.dtype (the residual stream), n = `rms_norm(s)` bitwise."""
+    """(s, n): s = x + residual in x.dtype (the residual stream), n = `rms_norm(s)` bitwise;
+    fused when residual and weight have x's dtype."""
     from ddserve.kernels.fused_ref import add_rms_norm_ref
 
     kernels = _fused_for("add_rms_norm", x)
-    if kernels:
+    if kernels and residual.dtype == weight.dtype == x.dtype:
         return kernels.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps, rms_norm=rms_norm)
 
 
-def mla_rope_cache(q, kv, norm_weight, eps, cos, sin, kv_cache, slots, interleave: bool):
-    """MLA's latent path (`fused_ref.mla_rope_cache_ref`'s arguments): writes
-    kv_cache[slots] = [rms_norm(c_kv) | rope(k_pe)], returns the query's rotated rope part
-    [T, H, P] contiguous."""
+def mla_rope_cache(
+    q: torch.Tensor,  # [T, H, nope + P]
+    kv: torch.Tensor,  # [T, R + P]
+    norm_weight: torch.Tensor,  # [R]
+    eps: float,
+    cos: torch.Tensor,  # [T, P]
+    sin: torch.Tensor,  # [T, P]
+    kv_cache: torch.Tensor,  # [S, R + P]
+    slots: torch.Tensor,  # [T]
+    interleave: bool,
+) -> torch.Tensor:  # [T, H, P] contiguous
+    """MLA's latent path (`fused_ref.mla_rope_cache_ref`): writes kv_cache[slots] =
+    [rms_norm(c_kv) | rope(k_pe)] in the cache's dtype, returns the query's rotated rope part;
+    fused when the cache, the norm's weight and q are 16-bit too."""
     from ddserve.kernels.fused_ref import mla_rope_cache_ref
 
     kernels = _fused_for("mla_rope_cache", kv)
     args = (q, kv, norm_weight, eps, cos, sin, kv_cache, slots, interleave)
-    if kernels and kv_cache.dtype in HALF:
+    if kernels and kv_cache.dtype in HALF and norm_weight.dtype == q.dtype == kv.dtype:
         return kernels.mla_rope_cache(*args)
     return mla_rope_cache_ref(*args, rms_norm=rms_norm)
 
