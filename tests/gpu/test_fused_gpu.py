@@ -2,7 +2,7 @@
 
 Each fused kernel must give the bits of the unfused batch-invariant sequence it replaces (torch's
 elementwise CUDA ops and `invariant.rms_norm`), and a row must not depend on how many rows share
-the launch. The last test runs the tiny model's forward with and without the fused kernels.
+the launch. The last test runs a small model's forward with and without the fused kernels.
 """
 
 from __future__ import annotations
@@ -10,9 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from model_utils import make_meta
 
+from ddserve.config import ModelConfig
 from ddserve.kernels import backend, fused, invariant
 from ddserve.kernels.fused_ref import add_rms_norm_ref, mla_rope_cache_ref, silu_mul_ref
+from ddserve.model.deepseek import DeepseekV3ForCausalLM
+from ddserve.model.tiny import TINY_CONFIG
 
 pytestmark = [
     pytest.mark.gpu,
@@ -76,15 +80,23 @@ def test_silu_mul_is_torchs_silu_times_up(inner: int, dtype) -> None:
     assert torch.equal(fused.silu_mul(gu[:1]), got[:1])
 
 
-def test_tiny_model_forward_is_bitwise_the_same_fused_or_not(tmp_path, monkeypatch) -> None:
+def dense_tiny_model(device: str) -> DeepseekV3ForCausalLM:
+    """The tiny architecture with 3 dense-MLP layers (no routed experts, so no MoE kernels to
+    compile) and random bf16 weights."""
+    cfg = ModelConfig.from_hf(dict(TINY_CONFIG, num_hidden_layers=3, first_k_dense_replace=3))
+    model = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g, device=device)
+        p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else noise * p.shape[-1] ** -0.5)
+    return model.eval()
+
+
+def test_model_forward_is_bitwise_the_same_fused_or_not(monkeypatch) -> None:
     """The decoder's wiring (residual carried between layers, captured hidden states, latent
-    cache, final norm) gives the unfused model's bits in batch-invariant bf16 on the GPU."""
-    from model_utils import make_meta
-
-    from ddserve.model.loader import load_model
-    from ddserve.model.tiny import make_tiny
-
-    model = load_model(make_tiny(tmp_path / "tiny", seed=0), device="cuda", progress=False)[0]
+    cache, final norm) gives the unfused model's bits in batch-invariant bf16 on the GPU: a
+    9-token prompt chunk, then one decode step."""
+    model = dense_tiny_model("cuda")
     last = model.cfg.num_hidden_layers - 1
     ids = torch.tensor([5, 9, 33, 71, 2, 8, 100, 3, 4], device="cuda")
     pos = torch.arange(9, device="cuda")
@@ -102,7 +114,5 @@ def test_tiny_model_forward_is_bitwise_the_same_fused_or_not(tmp_path, monkeypat
         monkeypatch.setattr(backend, "_fused_kernels", lambda: None)
         unfused_out = run()
     names = ["logits", "hidden", "step logits", "step hidden", "cache"]
-    bad = [
-        n for n, a, b in zip(names, fused_out, unfused_out, strict=True) if not torch.equal(a, b)
-    ]
-    assert bad == []
+    pairs = zip(names, fused_out, unfused_out, strict=True)
+    assert [name for name, a, b in pairs if not torch.equal(a, b)] == []
