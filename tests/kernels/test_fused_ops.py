@@ -240,31 +240,36 @@ def _rms_ptx(dtype: str, block: int) -> str:
     )
 
 
+@pytest.mark.parametrize("block", [8192, 256])  # K2.6's hidden size; the small test model's
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
-def test_add_rms_norm_reduces_as_the_invariant_rms_kernel_on_sm90(dtype: str) -> None:
+def test_add_rms_norm_reduces_as_the_invariant_rms_kernel_on_sm90(dtype: str, block: int) -> None:
     require_triton()
     from ddserve.kernels import fused
 
     names = ("x_ptr", "r_ptr", "w_ptr", "s_ptr", "y_ptr")
     args = dict(dict.fromkeys(names, dtype), D="i32", sx="i32", sr="i32", eps="fp32")
-    ptx = _ptx(fused._add_rms_kernel, args, dict(BLOCK=8192), tuple(range(8)), 8)
-    assert _norm_ops(ptx) == _norm_ops(_rms_ptx(dtype, 8192))
+    warps = 8 - 4 * (block <= 4096)
+    ptx = _ptx(fused._add_rms_kernel, args, dict(BLOCK=block), tuple(range(8)), warps)
+    assert _norm_ops(ptx) == _norm_ops(_rms_ptx(dtype, block))
 
 
+@pytest.mark.parametrize("rank,rope", [(512, 64), (64, 16)])  # K2.6; the small test model
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
-def test_mla_rope_cache_on_sm90_keeps_torchs_roundings(dtype: str, interleave: bool) -> None:
+def test_mla_rope_cache_on_sm90_keeps_torchs_roundings(
+    dtype: str, interleave: bool, rank: int, rope: int
+) -> None:
     require_triton()
     from ddserve.kernels import fused
 
     names = ("kv_ptr", "w_ptr", "cos_ptr", "sin_ptr", "slots_ptr", "cache_ptr", "q_ptr", "qpe_ptr")
     args = dict.fromkeys(names, dtype) | dict(slots_ptr="*i64")
     args |= dict.fromkeys(("R", "H", "skv", "scache", "sq", "sqh"), "i32") | dict(eps="fp32")
-    consts = dict(Q_OFF=128, P=64, BLOCK_P=64, BLOCK_R=512, BLOCK_H=8, INTERLEAVE=interleave,
-                  INTERPRET=False)  # fmt: skip
+    consts = dict(Q_OFF=128, P=rope, BLOCK_P=rope, BLOCK_R=rank, BLOCK_H=8,
+                  INTERLEAVE=interleave, INTERPRET=False)  # fmt: skip
     ptx = _ptx(fused._mla_rope_cache_kernel, args, consts, (*range(9), 10, 11, 12, 13), 4)
     assert HALF_FMA.findall(ptx) == [], "a 16-bit product and add contracted into one fma"
-    assert _norm_ops(ptx) == _norm_ops(_rms_ptx(dtype, 512))
+    assert _norm_ops(ptx) == _norm_ops(_rms_ptx(dtype, rank))
 
 
 def test_silu_mul_on_sm90_divides_as_torch() -> None:
