@@ -8,12 +8,16 @@ CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the 
 - routed experts: `moe_ref.moe_ref` (INT4 experts dequantized once to float32 by the model)
 - linear, bmm_heads, rms_norm: `invariant_ref` (torch); row_sum: `invariant_ref.fixed_order_sum`
   in batch-invariant mode, torch's sum otherwise
+- add_rms_norm, mla_rope_cache, silu_mul: `fused_ref`'s torch sequences (the unfused model's ops)
 
 CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - linear, bmm_heads (any float dtype): `invariant._mm_kernel` (+ `_sum_splits_kernel` when the
   configuration splits K), configurations from `invariant_configs.mm_config`: `_dense` for 16-bit
   weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (the Router's gate)
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
+- add_rms_norm (residual add + RMSNorm): `fused._add_rms_kernel`
+- mla_rope_cache (kv_a_layernorm, RoPE, cache write; 16-bit cache): `fused._mla_rope_cache_kernel`
+- silu_mul: `fused._silu_mul_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its one configuration (BM 32, BN 32, SPLIT
   256), `_combine_kernel` merging the splits when there is more than one
@@ -233,3 +237,73 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
         if kernels:
             return kernels.row_sum8(x)
     return fixed_order_sum(x)
+
+
+# ---- fused elementwise ops of a decoder layer (Triton in fused.py, torch in fused_ref.py) -------
+# One launch each where torch needs several; run on CUDA for 16-bit activations in batch-invariant
+# mode (their RMSNorms are `invariant.rms_norm`'s arithmetic). Elsewhere the torch sequence they
+# replace, with `rms_norm` above as its norm, so the CPU path is the unfused model bit for bit.
+
+
+@functools.cache
+def _fused_kernels():
+    """The Triton module, or None when it does not import (logged once)."""
+    try:
+        from ddserve.kernels import fused
+
+        return fused
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        log.warning("triton fused elementwise kernels unavailable (%s); using torch", e)
+        return None
+
+
+def _fused_for(op: str, x: torch.Tensor):
+    """The fused kernels when the mode is on and x is 16-bit on CUDA; else None."""
+    use = _current.batch_invariant and x.device.type == "cuda" and x.dtype in HALF
+    kernels = _fused_kernels() if use else None
+    _note(op, f"triton fused ({x.dtype})" if kernels else f"torch sequence ({x.device.type})")
+    return kernels
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, n): s = x + residual in x.dtype (the residual stream), n = `rms_norm(s)` bitwise;
+    fused when residual and weight have x's dtype."""
+    from ddserve.kernels.fused_ref import add_rms_norm_ref
+
+    kernels = _fused_for("add_rms_norm", x)
+    if kernels and residual.dtype == weight.dtype == x.dtype:
+        return kernels.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps, rms_norm=rms_norm)
+
+
+def mla_rope_cache(
+    q: torch.Tensor,  # [T, H, nope + P]
+    kv: torch.Tensor,  # [T, R + P]
+    norm_weight: torch.Tensor,  # [R]
+    eps: float,
+    cos: torch.Tensor,  # [T, P]
+    sin: torch.Tensor,  # [T, P]
+    kv_cache: torch.Tensor,  # [S, R + P]
+    slots: torch.Tensor,  # [T]
+    interleave: bool,
+) -> torch.Tensor:  # [T, H, P] contiguous
+    """MLA's latent path (`fused_ref.mla_rope_cache_ref`): writes kv_cache[slots] =
+    [rms_norm(c_kv) | rope(k_pe)] in the cache's dtype, returns the query's rotated rope part;
+    fused when the cache, the norm's weight and q are 16-bit too."""
+    from ddserve.kernels.fused_ref import mla_rope_cache_ref
+
+    kernels = _fused_for("mla_rope_cache", kv)
+    args = (q, kv, norm_weight, eps, cos, sin, kv_cache, slots, interleave)
+    if kernels and kv_cache.dtype in HALF and norm_weight.dtype == q.dtype == kv.dtype:
+        return kernels.mla_rope_cache(*args)
+    return mla_rope_cache_ref(*args, rms_norm=rms_norm)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2I] (gate first) -> F.silu(gate) * up [..., I], bitwise torch's."""
+    from ddserve.kernels.fused_ref import silu_mul_ref
+
+    kernels = _fused_for("silu_mul", gu)
+    return kernels.silu_mul(gu) if kernels else silu_mul_ref(gu)

@@ -2,6 +2,9 @@
 
 Parameter names equal the HF checkpoint names (minus the K2.6 `language_model.` prefix), except
 the routed experts, which the loader stacks into `mlp.experts.{w13,w2}[_packed|_scale]`.
+Each residual add runs in one launch with the RMSNorm that follows it (`RMSNorm.add_and_norm`):
+post_attention_layernorm inside a layer, the next layer's input_layernorm (or the final norm)
+between layers, so the forward carries the stream and the pending MLP output from layer to layer.
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype, device)
 
-    def forward(self, x, cos, sin, kv_cache, meta, absorbed: bool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, absorbed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, x, cos, sin, kv_cache, meta, absorbed: bool):
+        """h = input_layernorm(x) for the residual stream x [T, D] (the caller computes it
+        together with the previous layer's residual add). Returns (MLP output, x + attention
+        output); the layer's output is their sum, which the caller adds in the next norm's launch.
+        """
+        attn = self.self_attn(h, cos, sin, kv_cache, meta, absorbed)  # [T, D]
+        x, h = self.post_attention_layernorm.add_and_norm(attn, x)  # x + attn, its norm
+        return self.mlp(h), x
 
 
 class DeepseekV3Model(nn.Module):
@@ -103,16 +111,22 @@ class DeepseekV3ForCausalLM(nn.Module):
         (0-based), in the order given. With `logit_rows` only those rows go through the final
         norm and lm_head (prefill needs one row per prompt, not a [T, vocab] all-gather).
         """
-        x = self.embed(input_ids)  # [T, D]
+        x = self.embed(input_ids)  # [T, D] the residual stream
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, P] each
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta, absorbed)
+        layers, captured = self.model.layers, {}
+        h = layers[0].input_layernorm(x)  # [T, D]
+        for i, layer in enumerate(layers):
+            out, x = layer(h, x, cos, sin, kv_cache[i], meta, absorbed)  # x: after attention
+            if i + 1 < len(layers):  # x: layer i's output, h: the next layer's input
+                x, h = layers[i + 1].input_layernorm.add_and_norm(out, x)
+            elif logit_rows is None:
+                x, h = self.model.norm.add_and_norm(out, x)  # [T, D] each
+            else:  # only the logit rows go through the final norm
+                x = out + x
+                h = self.model.norm(x[logit_rows])  # [N, D]
             if i in capture_layers:
                 captured[i] = x
         hidden = None
         if capture_layers:
             hidden = torch.cat([captured[i] for i in capture_layers], dim=-1)  # [T, n * D]
-        if logit_rows is not None:
-            x = x[logit_rows]  # [N, D]
-        return ModelOutput(logits=self.lm_head(self.model.norm(x)), hidden=hidden)
+        return ModelOutput(logits=self.lm_head(h), hidden=hidden)

@@ -44,6 +44,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return backend.rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor):
+        """(s, self(s)) for s = x + residual, in one launch where `backend.add_rms_norm` fuses."""
+        return backend.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class Linear(nn.Module):
     """Replicated y = x W^T (same full weight on every rank)."""

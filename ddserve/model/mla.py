@@ -3,6 +3,9 @@
 Per token and layer the cache holds only [c_kv (kv_lora_rank) | k_rope (qk_rope_head_dim)].
 kv_b_proj's rows per head are [W_UK (qk_nope rows) ; W_UV (v_head rows)], each [., kv_lora_rank].
 
+The latent path (kv_a_layernorm, RoPE of k_pe and of the query, the cache write) is one
+`backend.mla_rope_cache` call (one fused launch on CUDA in batch-invariant mode).
+
 - absorbed (decode / verify / any chunk): q_latent = q_nope W_UK, attention in latent space by
   `backend.tree_attention`, then W_UV after attention; the per-head matmuls are
   `backend.bmm_heads` (batch-invariant when that mode is on; every decode/verify op must be).
@@ -26,7 +29,6 @@ from ddserve.model.layers import (
     RowParallelLinear,
     shard_size,
 )
-from ddserve.model.rope import apply_rope
 
 LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -73,17 +75,20 @@ class MLA(nn.Module):
         meta: TreeAttnMeta,
         absorbed: bool = True,
     ) -> torch.Tensor:  # [T, D] (all-reduced)
-        q_nope, q_pe = self._query(x).split([self.nope, self.rope_dim], dim=-1)  # [T, H, nope|P]
-        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        k_pe = apply_rope(k_pe, cos, sin, self.interleave)  # [T, P]
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [T, R + P]
-        kv_cache[meta.block_slots] = latent.to(kv_cache.dtype)
+        q = self._query(x)  # [T, H, nope + P]
+        kv = self.kv_a_proj_with_mqa(x)  # [T, R + P] = [c_kv | k_pe]
+        # kv_cache[block_slots] = [kv_a_layernorm(c_kv) | rope(k_pe)]; q_pe = rope(q[..., nope:])
+        norm = self.kv_a_layernorm
+        slots = meta.block_slots
+        q_pe = backend.mla_rope_cache(
+            q, kv, norm.weight, norm.eps, cos, sin, kv_cache, slots, self.interleave
+        )  # [T, H, P] contiguous
+        q_nope = q[..., : self.nope]  # [T, H, nope]
         w_uk, w_uv = self._w_uk_uv()
         if absorbed:
             q_lat = backend.bmm_heads(q_nope, w_uk)  # [T, H, R]
             attend = backend.tree_attention(backend.device_type(x))
-            o_lat = attend(q_lat, q_pe.contiguous(), kv_cache, meta, self.scale)  # [T, H, R]
+            o_lat = attend(q_lat, q_pe, kv_cache, meta, self.scale)  # [T, H, R]
             out = backend.bmm_heads(o_lat.to(w_uv.dtype), w_uv.transpose(1, 2))  # [T, H, v]
         else:
             out = expanded_attention(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, self.scale)

@@ -2,7 +2,8 @@
 
 With `rope_interleave` the checkpoint's rope dims are pairs (x0, x1), (x2, x3), ...; HF first
 de-interleaves them to (x0, x2, ..., x1, x3, ...) and then applies the rotate-half form. We do
-the same, so cached k_rope values are in the de-interleaved layout (queries match it).
+the same, so cached k_rope values are in the de-interleaved layout (queries match it). The
+rotation itself, `apply_rope`, lives beside its fused kernel (`kernels/fused_ref.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from ddserve.config import ModelConfig, yarn_mscale
+from ddserve.kernels.fused_ref import apply_rope  # noqa: F401 (the rotation, re-exported)
 
 
 def _ramp(low: float, high: float, n: int) -> torch.Tensor:  # [n] in [0, 1]
@@ -50,20 +52,6 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     interpolated, original = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
     inv_freq = interpolated * (1 - extrapolation) + original * extrapolation
     return inv_freq, float(attention_factor)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
-    """x [T, H, P] (or [T, P]) rotated by cos/sin [T, P] from `RotaryEmbedding.cos_sin`."""
-    if interleave:
-        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # de-interleave pairs
-    if x.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
 
 
 class RotaryEmbedding(nn.Module):
