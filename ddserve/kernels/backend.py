@@ -14,6 +14,7 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   configuration splits K), configurations from `invariant_configs.mm_config`: `_dense` for 16-bit
   weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (the Router's gate)
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
+- route (the MoE router, any float activations): `router._gate_partials_kernel` + `_select_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its one configuration (BM 32, BN 32, SPLIT
   512), `_combine_kernel` merging the splits when there is more than one
@@ -233,3 +234,31 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
         if kernels:
             return kernels.row_sum8(x)
     return fixed_order_sum(x)
+
+
+# ---- the MoE router (Triton in router.py, torch in router_ref.py) -----------------------------
+@functools.cache
+def _router_kernels():
+    """The Triton router module, or None when it does not import (logged once)."""
+    try:
+        from ddserve.kernels import router
+
+        return router
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        log.warning("triton router kernel unavailable (%s); using torch", e)
+        return None
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, params) -> tuple:
+    """`router_ref.route_ref`'s contract: x [T, D], gate [E, D] fp32, bias [E] fp32,
+    `RoutingParams` -> ids [T, k] int64, weights [T, k] fp32. Batch-invariant mode on CUDA: the
+    fused router (two launches, fixed-order fp32); otherwise the torch math with this module's
+    `linear` and `row_sum`."""
+    from ddserve.kernels.router_ref import route_ref
+
+    use = _current.batch_invariant and x.device.type == "cuda"
+    kernels = _router_kernels() if use else None
+    _note("route", "triton batch-invariant router" if kernels else f"torch ({x.device.type})")
+    if kernels:
+        return kernels.route(x, weight, bias, params)
+    return route_ref(x, weight, bias, params, linear=linear, row_sum=row_sum)
