@@ -203,6 +203,21 @@ def test_loading_a_checkpoint_fills_the_merged_gate_up(tmp_path) -> None:
         assert torch.equal(merged, torch.cat([gate, up])), name
 
 
+def test_bench_smoke_run_writes_its_json(tmp_path) -> None:
+    """bench/bench_router.py --smoke: tiny shapes on the CPU under the interpreter."""
+    require_triton()
+    out = tmp_path / "router.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_router.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shapes = json.loads(out.read_text())["shapes"]
+    assert shapes and all(rec["variants"]["fused"]["differing_t"] == [] for rec in shapes.values())
+    for rec in shapes.values():
+        assert set(rec["variants"]) == {"fused", "torch_invariant", "torch"}
+        assert all("error" not in v and len(v["us"]) == 3 for v in rec["variants"].values())
+
+
 if __name__ == "__main__":  # the interpreter subprocess
     patch_interpreter()
     print(json.dumps(_run_checks()))
