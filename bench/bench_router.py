@@ -3,7 +3,8 @@
 Variants (each captured in a CUDA graph per (shape, T) and its replay timed with triton's do_bench:
 median, L2 flushed between calls, so the fp32 gate streams from HBM as in a real forward):
 - "fused": `router.route` (two launches: the gate GEMV partials, then per-token selection) with
-  `router_config(E, D)`; with --sweep also a few other configurations ("fused:BTxBExBKxU/S/W").
+  `router_config(E, D)`. With --sweep also "fused:BTxBExBKxU/S/W[:mma]": other tiles, splits,
+  warps, and the tensor-core (tf32x3) form of the gate GEMV.
 - "torch_invariant": `route_ref` with `backend`'s linear / row_sum in batch-invariant mode (the
   tf32x3 gate matmul + split-K sum + torch's sigmoid, top-k, gather, normalise: what the
   engine's Router ran before the fused kernel).
@@ -35,13 +36,16 @@ SMOKE_SHAPES = {
     "smoke grouped": (42, 100, 5, 6, 3, True, 1.5),
 }
 T_LIST = [1, 5, 10, 17, 85, 170]
-SWEEP = [  # (block_t, block_e, block_k, unroll, split or 0 for router_config's, warps)
-    (16, 8, 64, 4, 14, 4),
-    (16, 8, 64, 2, 0, 4),
-    (8, 8, 64, 4, 0, 4),
-    (16, 16, 32, 4, 0, 4),
-    (16, 8, 64, 4, 0, 8),
-    (32, 8, 32, 4, 0, 8),
+SWEEP = [  # (block_t, block_e, block_k, unroll, split or 0 for router_config's, warps, mma)
+    (16, 8, 64, 4, 14, 4, False),
+    (16, 8, 64, 2, 0, 4, False),
+    (8, 8, 64, 4, 0, 4, False),
+    (16, 16, 32, 4, 0, 4, False),
+    (16, 8, 64, 4, 0, 8, False),
+    (32, 8, 32, 4, 0, 8, False),
+    (16, 16, 64, 2, 0, 4, True),
+    (32, 16, 64, 2, 14, 4, True),
+    (64, 32, 32, 4, 0, 4, True),
 ]
 
 
@@ -78,12 +82,11 @@ def variants(args, e: int, d: int) -> dict:
             x, w, b, p, linear=F.linear, row_sum=lambda v: v.sum(-1, keepdim=True)
         ),
     }
-    for bt, be, bk, u, s, wp in SWEEP if args.sweep else []:
+    for bt, be, bk, u, s, wp, mma in SWEEP if args.sweep else []:
         split = s or router.router_config(e, d).split
-        cfg = router.RouterConfig(bt, be, bk, u, split, wp)
-        out[f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}"] = lambda x, w, b, p, cfg=cfg: router.route(
-            x, w, b, p, cfg
-        )
+        cfg = router.RouterConfig(bt, be, bk, u, split, wp, mma)
+        name = f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}" + ":mma" * mma
+        out[name] = lambda x, w, b, p, cfg=cfg: router.route(x, w, b, p, cfg)
     return out
 
 

@@ -7,6 +7,9 @@ depend on how many other tokens are in the call or what they are.
    keeps BLOCK_K fp32 accumulators (one per K lane), each an FMA chain over the split's K range
    in BLOCK_K steps in K order, then sums the lanes with one fixed `tl.sum` tree: partials
    [T, SPLIT, E_PAD]. No tensor cores; x is read in its own dtype and widened to fp32 (exact).
+   `RouterConfig.mma` (off by default; bench/bench_router.py --sweep times it) replaces the FMA
+   chains by one tl.dot "tf32x3" product per K step (about fp32 accuracy, row-invariant like
+   `invariant._mm_kernel`): at T in the hundreds the fp32 FMAs, not the weight, bound the time.
 2. `_select_kernel`, one program per token: logits = partials of splits 0, 1, ... added in that
    order; sigmoid; + bias; the group filter (a group's score is the sum of its two best biased
    scores; the best `topk_group` groups are kept); top-k by descending biased score (ties: lower
@@ -42,6 +45,7 @@ class RouterConfig(NamedTuple):
     unroll: int  # K steps loaded per loop iteration (bytes in flight)
     split: int  # K ranges, summed in order by the select kernel
     warps: int
+    mma: bool = False  # tensor cores (tl.dot "tf32x3", ~fp32) instead of the FMA chains
 
 
 def router_config(e: int, d: int) -> RouterConfig:
@@ -61,10 +65,11 @@ def _gate_partials_kernel(
     x_ptr, w_ptr, part_ptr, T, sx, sw,
     E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    SPLIT: tl.constexpr, K_PER: tl.constexpr,
+    SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr,
 ):  # fmt: skip
     """part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32; see the module
-    docstring for the order). Program (expert block * SPLIT + s, token tile)."""
+    docstring for the order; with MMA, one tf32x3 tensor-core product per BLOCK_K step added in
+    K order). Program (expert block * SPLIT + s, token tile)."""
     pid = tl.program_id(0)
     eb, s = pid // SPLIT, pid % SPLIT
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -73,17 +78,27 @@ def _gate_partials_kernel(
     t_ok, e_ok = rt < T, re < E
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * sx  # [BT, 1]
     w_rows = w_ptr + re.to(tl.int64)[:, None] * sw  # [BE, 1]
-    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), dtype=tl.float32)
-    for i in range(0, K_PER, BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            kk = s * K_PER + i + u * BLOCK_K + rk  # [BK]
-            k_ok = kk < D
-            a = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            a3 = tl.broadcast_to(a.to(tl.float32)[:, None, :], (BLOCK_T, BLOCK_E, BLOCK_K))
-            b3 = tl.broadcast_to(b[None, :, :], (BLOCK_T, BLOCK_E, BLOCK_K))
-            acc = tl.fma(a3, b3, acc)  # [BT, BE, BK]
-    part = tl.sum(acc, axis=2)  # [BT, BE]
+    if MMA:  # [BT, BE] accumulators, the MMA's own fixed order within each step
+        part = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for i in range(0, K_PER, BLOCK_K * UNROLL):
+            for u in tl.static_range(UNROLL):
+                kk = s * K_PER + i + u * BLOCK_K + rk  # [BK]
+                k_ok = kk < D
+                a = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+                part = tl.dot(a.to(tl.float32), tl.trans(b), part, input_precision="tf32x3")
+    else:  # BLOCK_K FMA chains per (token, expert), summed by one tl.sum tree at the end
+        acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), dtype=tl.float32)
+        for i in range(0, K_PER, BLOCK_K * UNROLL):
+            for u in tl.static_range(UNROLL):
+                kk = s * K_PER + i + u * BLOCK_K + rk  # [BK]
+                k_ok = kk < D
+                a = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+                a3 = tl.broadcast_to(a.to(tl.float32)[:, None, :], (BLOCK_T, BLOCK_E, BLOCK_K))
+                b3 = tl.broadcast_to(b[None, :, :], (BLOCK_T, BLOCK_E, BLOCK_K))
+                acc = tl.fma(a3, b3, acc)  # [BT, BE, BK]
+        part = tl.sum(acc, axis=2)  # [BT, BE]
     out = part_ptr + rt.to(tl.int64)[:, None] * (SPLIT * E_PAD) + s * E_PAD + re[None, :]
     tl.store(out, part, mask=t_ok[:, None] & e_ok[None, :])
 
@@ -202,6 +217,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: Routing
     assert 1 <= p.top_k <= min(MAX_TOP_K, p.topk_group * (e // p.n_group)), p
 
 
+def _check_config(cfg: RouterConfig) -> None:
+    for n in (cfg.block_t, cfg.block_e, cfg.block_k):
+        assert n & (n - 1) == 0, cfg  # powers of two
+    assert cfg.split >= 1 and cfg.unroll >= 1, cfg
+    assert not cfg.mma or min(cfg.block_t, cfg.block_e, cfg.block_k) >= 16, cfg  # tl.dot
+
+
 def route(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -214,6 +236,7 @@ def route(
     _check(x, weight, bias, p)
     (e, d), t, k = weight.shape, x.shape[0], p.top_k
     cfg = cfg or router_config(e, d)
+    _check_config(cfg)
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)  # [T, k]
     wts = torch.empty(t, k, dtype=torch.float32, device=x.device)  # [T, k]
     if t == 0:
@@ -227,7 +250,7 @@ def route(
     _gate_partials_kernel[grid](
         x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
         BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
-        SPLIT=cfg.split, K_PER=k_per, num_warps=cfg.warps,
+        SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma, num_warps=cfg.warps,
     )  # fmt: skip
     eg = e // p.n_group
     _select_kernel[(t,)](

@@ -85,6 +85,21 @@ def check_config_with_k_loop_and_splits(router) -> None:
         assert torch.equal(alone[0][0], ids[i]) and torch.equal(alone[1][0], wts[i]), i
 
 
+def check_tensor_core_config(router) -> None:
+    """The `mma` configuration (tf32x3 tensor-core products per K step; here the interpreter's
+    dot, patched to a position-independent product): the reference's ids, row-invariant."""
+    t, e, d, p = 21, 45, 300, RoutingParams(6, 1, 1, True, 2.5)
+    cfg = router.RouterConfig(16, 16, 16, 2, 3, 4, mma=True)
+    x, w, b = inputs(t, e, d, seed=12)
+    ids, wts = router.route(x, w, b, p, cfg)
+    ref_ids, ref_wts = route_ref(x, w, b, p)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(wts, ref_wts, atol=1e-6, rtol=1e-5)
+    for i in (0, 17, 20):
+        alone = router.route(x[i : i + 1], w, b, p, cfg)
+        assert torch.equal(alone[0][0], ids[i]) and torch.equal(alone[1][0], wts[i]), i
+
+
 def check_ties_go_to_the_lower_expert(router) -> None:
     """Experts 3 and 10 have the same gate row and bias, so the same score bit for bit: both are
     chosen, 3 first, with equal weights."""
@@ -116,6 +131,7 @@ CASES = (
     + [(f"row_invariant[{n}]", check_row_alone_equals_row_among_others, (n,))
        for n in ("ungrouped", "grouped", "grouped_pow2")]
     + [("config_with_k_loop_and_splits", check_config_with_k_loop_and_splits, ())]
+    + [("tensor_core_config", check_tensor_core_config, ())]
     + [("ties_go_to_the_lower_expert", check_ties_go_to_the_lower_expert, ())]
     + [("no_tokens_and_preconditions", check_no_tokens_and_preconditions, ())]
 )  # fmt: skip
