@@ -18,6 +18,7 @@ invariance: must be []); for torch_invariant how many of 170 tokens' ids differ 
     python3 bench/bench_router.py --out $OUT/router.json          # < 60 s on an H200
     python3 bench/bench_router.py --sweep --out $OUT/router.json  # + configuration sweep
     python3 bench/bench_router.py --smoke --out /tmp/router.json  # CPU, interpreter, tiny shapes
+    python3 bench/bench_router.py --aot    # offline sm_90a compile: registers, spills (no GPU)
 """
 
 from __future__ import annotations
@@ -131,12 +132,58 @@ def run_shape(args, spec, dev: str) -> dict:
     return rec
 
 
+def aot_report() -> None:
+    """The gate kernel of every configuration (default and --sweep) at K2.6's gate compiled for
+    sm_90a without a GPU: shared memory, registers, spill bytes (ptxas -v), cp.async count."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddserve.kernels import router
+
+    e, d = 384, 7168
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    cfgs = [router.router_config(e, d)] + [
+        router.RouterConfig(bt, be, bk, u, s or router.router_config(e, d).split, wp, mma)
+        for bt, be, bk, u, s, wp, mma in SWEEP
+    ]
+    for cfg in cfgs:
+        chunk = cfg.block_k * cfg.unroll
+        consts = dict(E=e, D=d, E_PAD=triton.cdiv(e, 16) * 16, BLOCK_T=cfg.block_t,
+                      BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
+                      SPLIT=cfg.split, MMA=cfg.mma,
+                      K_PER=triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk)  # fmt: skip
+        sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", sx="i32", sw="i32")
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        div16 = [(list(sig).index(a),) for a in ("x_ptr", "w_ptr", "part_ptr", "sx", "sw")]
+        attrs = {a: [["tt.divisibility", 16]] for a in div16}
+        src = ASTSource(router._gate_partials_kernel, sig, constexprs=consts, attrs=attrs)
+        opts = {"num_warps": cfg.warps}
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(c.asm["ptx"])
+            f.flush()
+            cmd = [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull]
+            log = subprocess.run(cmd, capture_output=True, text=True).stderr
+        regs = re.findall(r"Used (\d+) registers", log) or ["?"]
+        spill = re.findall(r"(\d+) bytes spill stores", log) or ["?"]
+        print(f"{tuple(cfg)}: shared {c.metadata.shared} B, registers {regs[0]}, spill stores "
+              f"{spill[0]} B, cp.async {c.asm['ptx'].count('cp.async')}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time other kernel configurations")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--aot", action="store_true", help="only compile the gate kernels for sm_90a")
     args = ap.parse_args()
+    if args.aot:
+        return aot_report()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         T_LIST[:] = [1, 5, 17]
