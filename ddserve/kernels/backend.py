@@ -12,7 +12,7 @@ CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the 
 CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - linear, bmm_heads (any float dtype): `invariant._mm_kernel` (+ `_sum_splits_kernel` when the
   configuration splits K), configurations from `invariant_configs.mm_config`: `_dense` for 16-bit
-  weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (the Router's gate)
+  weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (float32 models)
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
 - route (the MoE router, any float activations): `router._gate_partials_kernel` + `_select_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
@@ -35,10 +35,14 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddserve.kernels.config import KernelConfig
+
+if TYPE_CHECKING:
+    from ddserve.kernels.router_ref import RoutingParams
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +253,9 @@ def _router_kernels():
         return None
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, params) -> tuple:
+def route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, params: RoutingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_ref.route_ref`'s contract: x [T, D], gate [E, D] fp32, bias [E] fp32,
     `RoutingParams` -> ids [T, k] int64, weights [T, k] fp32. Batch-invariant mode on CUDA: the
     fused router (two launches, fixed-order fp32); otherwise the torch math with this module's

@@ -39,7 +39,7 @@ class DenseMLP(nn.Module):
 
     `gate_proj.weight` and `up_proj.weight` [I_local, D] are views of one [2 * I_local, D]
     buffer, back to back (the loader copies into them in place), so on the CUDA batch-invariant
-    path gate and up are one matmul. Elsewhere they run as two matmuls (CPU outputs unchanged).
+    path gate and up are one matmul. Elsewhere they run as two matmuls (the CPU reference).
     """
 
     def __init__(self, hidden: int, inter: int, comm: Communicator, dtype, device, reduce=True):
