@@ -69,7 +69,7 @@ def test_matches_the_float64_gate_reference(case: str) -> None:
     torch.testing.assert_close(wts[same], ref_wts[same], atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ["grouped", "k26"])
 def test_a_tokens_route_does_not_depend_on_the_other_tokens(case: str) -> None:
     e, p = CASES[case]
     x, w, b = inputs(e, seed=2)
