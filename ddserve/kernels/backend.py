@@ -13,11 +13,12 @@ CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the 
 CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - linear, bmm_heads (any float dtype): `invariant._mm_kernel` (+ `_sum_splits_kernel` when the
   configuration splits K), configurations from `invariant_configs.mm_config`: `_dense` for 16-bit
-  weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (the Router's gate)
+  weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (float32 models)
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
 - add_rms_norm (residual add + RMSNorm): `fused._add_rms_kernel`
 - mla_rope_cache (kv_a_layernorm, RoPE, cache write; 16-bit cache): `fused._mla_rope_cache_kernel`
 - silu_mul: `fused._silu_mul_kernel`
+- route (the MoE router, any float activations): `router._gate_partials_kernel` + `_select_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its one configuration (BM 32, BN 32, SPLIT
   256), `_combine_kernel` merging the splits when there is more than one
@@ -38,10 +39,14 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddserve.kernels.config import KernelConfig
+
+if TYPE_CHECKING:
+    from ddserve.kernels.router_ref import RoutingParams
 
 log = logging.getLogger(__name__)
 
@@ -307,3 +312,33 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
     kernels = _fused_for("silu_mul", gu)
     return kernels.silu_mul(gu) if kernels else silu_mul_ref(gu)
+
+
+# ---- the MoE router (Triton in router.py, torch in router_ref.py) -----------------------------
+@functools.cache
+def _router_kernels():
+    """The Triton router module, or None when it does not import (logged once)."""
+    try:
+        from ddserve.kernels import router
+
+        return router
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        log.warning("triton router kernel unavailable (%s); using torch", e)
+        return None
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, params: RoutingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`router_ref.route_ref`'s contract: x [T, D], gate [E, D] fp32, bias [E] fp32,
+    `RoutingParams` -> ids [T, k] int64, weights [T, k] fp32. Batch-invariant mode on CUDA: the
+    fused router (two launches, fixed-order fp32); otherwise the torch math with this module's
+    `linear` and `row_sum`."""
+    from ddserve.kernels.router_ref import route_ref
+
+    use = _current.batch_invariant and x.device.type == "cuda"
+    kernels = _router_kernels() if use else None
+    _note("route", "triton batch-invariant router" if kernels else f"torch ({x.device.type})")
+    if kernels:
+        return kernels.route(x, weight, bias, params)
+    return route_ref(x, weight, bias, params, linear=linear, row_sum=row_sum)

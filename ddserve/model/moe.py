@@ -1,6 +1,6 @@
 """Dense MLP and the DeepSeek-V3 MoE layer (noaux_tc sigmoid routing, shared experts).
 
-Routing: gate logits in fp32, sigmoid scores; experts are *chosen* on
+Routing (`kernels/router_ref.py`): gate logits in fp32, sigmoid scores; experts are *chosen* on
 score + e_score_correction_bias, restricted to the best `topk_group` groups (a group's score
 is the sum of its top-2 biased scores), and *weighted* by the unbiased scores, normalised if
 `norm_topk_prob`, times `routed_scaling_factor`. Routed experts run through `backend.moe`;
@@ -21,6 +21,7 @@ from ddserve.config import ModelConfig
 from ddserve.distributed import Communicator
 from ddserve.kernels import backend
 from ddserve.kernels.moe_ref import ExpertWeights
+from ddserve.kernels.router_ref import RoutingParams
 from ddserve.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,20 +35,52 @@ log = logging.getLogger(__name__)
 
 
 class DenseMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); intermediate dim split across ranks."""
+    """down(silu(gate(x)) * up(x)); intermediate dim split across ranks.
+
+    `gate_proj.weight` and `up_proj.weight` [I_local, D] are views of one [2 * I_local, D]
+    buffer, back to back (the loader copies into them in place), so on the CUDA batch-invariant
+    path gate and up are one matmul. Elsewhere they run as two matmuls (the CPU reference).
+    """
 
     def __init__(self, hidden: int, inter: int, comm: Communicator, dtype, device, reduce=True):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, inter, comm, dtype, device)
         self.up_proj = ColumnParallelLinear(hidden, inter, comm, dtype, device)
         self.down_proj = RowParallelLinear(inter, hidden, comm, dtype, device, reduce=reduce)
+        il = self.gate_proj.weight.shape[0]
+        gate_up = torch.empty(2 * il, hidden, dtype=dtype, device=device)  # [2 I_local, D]
+        self.gate_proj.weight = nn.Parameter(gate_up[:il], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(gate_up[il:], requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def gate_up_weight(self) -> torch.Tensor | None:
+        """[2 * I_local, D]: gate_proj.weight's rows then up_proj.weight's, one tensor, while
+        the two still lie back to back in one buffer (as built); None if either was replaced."""
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        adjacent = (
+            g.is_contiguous()
+            and u.is_contiguous()
+            and g.shape == u.shape
+            and g.device == u.device
+            and g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+            and u.storage_offset() == g.storage_offset() + g.numel()
+        )
+        return g.as_strided((2 * g.shape[0], g.shape[1]), g.stride()) if adjacent else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        merged = None
+        if backend.batch_invariant() and x.device.type == "cuda":
+            merged = self.gate_up_weight()
+        if merged is None:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
+        else:
+            gate, up = backend.linear(x, merged).chunk(2, dim=-1)  # [T, I_local] each
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class Router(nn.Module):
-    """Checkpoint names `mlp.gate.weight` [E, D] and `mlp.gate.e_score_correction_bias` [E]."""
+    """Checkpoint names `mlp.gate.weight` [E, D] and `mlp.gate.e_score_correction_bias` [E];
+    the math is `router_ref.route_ref` (`backend.route` picks the fused kernel or torch)."""
 
     def __init__(self, cfg: ModelConfig, dtype, device) -> None:
         super().__init__()
@@ -56,26 +89,17 @@ class Router(nn.Module):
         # than casting [E, D] on every forward
         self.weight = empty_param((e, cfg.hidden_size), torch.float32, device)
         self.e_score_correction_bias = empty_param((e,), torch.float32, device)
-        self.top_k = cfg.num_experts_per_tok
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.params = RoutingParams(
+            top_k=cfg.num_experts_per_tok,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling=cfg.routed_scaling_factor,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32."""
-        scores = backend.linear(x.float(), self.weight).sigmoid()  # [T, E] (fp32 gate)
-        choice = scores + self.e_score_correction_bias.unsqueeze(0)  # [T, E]
-        if self.topk_group < self.n_group:
-            grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
-            top2 = grouped.topk(2, dim=-1).values  # [T, G, 2]
-            group_scores = top2[..., 0] + top2[..., 1]  # [T, G] (a + b: no reduction kernel)
-            best = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        ids = choice.topk(self.top_k, dim=-1).indices  # [T, k]
-        weights = scores.gather(1, ids)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / (backend.row_sum(weights) + 1e-20)  # fixed order if invariant
-        return ids, weights * self.scaling
+        return backend.route(x, self.weight, self.e_score_correction_bias, self.params)
 
 
 class RoutedExperts(nn.Module):
