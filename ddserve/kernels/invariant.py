@@ -113,7 +113,7 @@ class _Scratch:
     running concurrently on different streams of one device must not (their tickets and partials
     would mix)."""
 
-    PARTIALS_MAX = 64 << 20  # bytes kept; a larger call gets its own partials
+    PARTIALS_MAX = 128 << 20  # bytes kept; a larger call gets its own partials
 
     def __init__(self) -> None:
         self.partials: torch.Tensor | None = None
@@ -123,25 +123,32 @@ class _Scratch:
     def take(self, n_part: int, n_tick: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(partials with >= n_part fp32, tickets with >= n_tick zeros) for one launch. During a
         capture that outgrows the buffers, the graph gets its own (its tickets zeroed by a
-        captured memset before every replay)."""
+        captured memset before every replay). Sizes at least double, so the retired buffers
+        add up to less than the live ones."""
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.tickets is None or self.tickets.numel() < n_tick:
             if capturing:
                 return _fresh(n_part, device), torch.zeros(n_tick, dtype=torch.int32, device=device)
+            size = max(n_tick, 2 * _numel(self.tickets), 4096)
             self._retire(self.tickets)
-            self.tickets = torch.zeros(max(n_tick, 4096), dtype=torch.int32, device=device)
+            self.tickets = torch.zeros(size, dtype=torch.int32, device=device)
         if 4 * n_part > self.PARTIALS_MAX:
             return _fresh(n_part, device), self.tickets
         if self.partials is None or self.partials.numel() < n_part:
             if capturing:
                 return _fresh(n_part, device), self.tickets
+            size = min(max(n_part, 2 * _numel(self.partials), 1 << 20), self.PARTIALS_MAX // 4)
             self._retire(self.partials)
-            self.partials = _fresh(max(n_part, 1 << 20), device)
+            self.partials = _fresh(size, device)
         return self.partials, self.tickets
 
     def _retire(self, t: torch.Tensor | None) -> None:
         if t is not None:
             self.retired.append(t)
+
+
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
 
 
 def _fresh(n: int, device) -> torch.Tensor:
