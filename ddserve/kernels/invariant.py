@@ -5,11 +5,17 @@ count M, so a token's row computed alone (autoregressive decode) and inside a DD
 forward of budget+1 rows per stream can differ in the last bits. These kernels fix everything
 that decides the arithmetic of a row independently of M:
 
-- matmuls (`linear`, `bmm_heads`): one kernel; BLOCK_M/N/K, split count, num_warps and
+- matmuls (`linear`, `bmm_heads`): one kernel launch; BLOCK_M/N/K, split count, num_warps and
   num_stages come from (N, K, dtype) only, never from M (`invariant_configs.mm_config`). Each
-  output element is one fp32 accumulator per K split walking its K range in tiles in order
-  (narrow weights split K into a fixed number of ranges; their fp32 partials are summed in split
-  order by a second kernel); output rounded once to x.dtype. fp32 inputs (the Router) use
+  output element is one fp32 accumulator per K split walking its K range in tiles in order;
+  output rounded once to x.dtype. Narrow weights split K into a fixed number S of ranges: each
+  of a tile's S programs stores its fp32 partial, then takes an int32 ticket for the tile
+  (`tl.atomic_add`, acq_rel); the program that draws ticket S - 1 reads the S partials back
+  and adds them in split order 0..S-1 (not arrival order, so the bits do not depend on
+  scheduling), rounds once, stores the output and resets the ticket to 0. Partials and tickets
+  live in a per-device scratch (`_Scratch`) shared by the calls of one stream; see it for the
+  CUDA-graph and multi-stream contract. `_launch(two_launch=True)` does the same sum in a second
+  launch (`_sum_splits_kernel`), for tests and benchmarks only. fp32 inputs (the Router) use
   input_precision "tf32x3" (three tf32 MMAs, about fp32 accuracy), fixed by the configuration.
   M is `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M;
   strides and pointers are specialised (16-byte alignment lets triton vectorise the loads and
@@ -19,7 +25,8 @@ that decides the arithmetic of a row independently of M:
   stride.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
-References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
+References with the same semantics are in `invariant_ref.py` (`split_sum_ref`: the split-order
+sum of the partials); `backend` chooses between them.
 """
 
 from __future__ import annotations

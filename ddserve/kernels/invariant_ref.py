@@ -2,6 +2,7 @@
 
 These are the ops `invariant.py` implements in Triton with a fixed reduction order per row; here
 they are ordinary torch calls, so they are only as batch-invariant as torch's kernels are.
+`split_sum_ref` is exact: the split-K matmul's combination of its fp32 partials, in its order.
 """
 
 from __future__ import annotations
