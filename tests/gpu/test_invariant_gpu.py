@@ -127,11 +127,8 @@ def test_bmm_heads_rows_do_not_depend_on_m(which: str) -> None:
 SPLIT_SHAPES = [  # (name, heads, N, K, dtype, forced split or None): one rank at tp = 8
     ("q_a", 1, 1536, 7168, torch.bfloat16, None),
     ("q_a", 1, 1536, 7168, torch.bfloat16, 16),
-    ("kv_a", 1, 576, 7168, torch.bfloat16, None),
-    ("q_b", 1, 1536, 1536, torch.bfloat16, None),
     ("o_proj", 1, 7168, 1024, torch.bfloat16, None),
     ("shared_gate_up", 1, 512, 7168, torch.bfloat16, None),
-    ("absorb_uv", 8, 128, 512, torch.bfloat16, None),
     ("absorb_uv", 8, 128, 512, torch.bfloat16, 4),
     ("router_fp32", 1, 384, 7168, torch.float32, None),
 ]
