@@ -5,11 +5,17 @@ count M, so a token's row computed alone (autoregressive decode) and inside a DD
 forward of budget+1 rows per stream can differ in the last bits. These kernels fix everything
 that decides the arithmetic of a row independently of M:
 
-- matmuls (`linear`, `bmm_heads`): one kernel; BLOCK_M/N/K, split count, num_warps and
+- matmuls (`linear`, `bmm_heads`): one kernel launch; BLOCK_M/N/K, split count, num_warps and
   num_stages come from (N, K, dtype) only, never from M (`invariant_configs.mm_config`). Each
-  output element is one fp32 accumulator per K split walking its K range in tiles in order
-  (narrow weights split K into a fixed number of ranges; their fp32 partials are summed in split
-  order by a second kernel); output rounded once to x.dtype. fp32 inputs (the Router) use
+  output element is one fp32 accumulator per K split walking its K range in tiles in order;
+  output rounded once to x.dtype. Narrow weights split K into a fixed number S of ranges: each
+  of a tile's S programs stores its fp32 partial, then takes an int32 ticket for the tile
+  (`tl.atomic_add`, acq_rel); the program that draws ticket S - 1 reads the S partials back
+  and adds them in split order 0..S-1 (not arrival order, so the bits do not depend on
+  scheduling), rounds once, stores the output and resets the ticket to 0. Partials and tickets
+  live in a per-device scratch (`_Scratch`) shared by the calls of one stream; see it for the
+  CUDA-graph and multi-stream contract. `_launch(two_launch=True)` does the same sum in a second
+  launch (`_sum_splits_kernel`), for tests and benchmarks only. fp32 inputs (the Router) use
   input_precision "tf32x3" (three tf32 MMAs, about fp32 accuracy), fixed by the configuration.
   M is `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M;
   strides and pointers are specialised (16-byte alignment lets triton vectorise the loads and
@@ -19,7 +25,8 @@ that decides the arithmetic of a row independently of M:
   stride.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
-References with the same semantics are in `invariant_ref.py`; `backend` chooses between them.
+References with the same semantics are in `invariant_ref.py` (`split_sum_ref`: the split-order
+sum of the partials); `backend` chooses between them.
 """
 
 from __future__ import annotations
@@ -39,14 +46,18 @@ def _interpreting() -> bool:
 
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr,
-    sxm, sxh, sxk, swh, swk, swn, sys_, sym, syh, syn,
+    x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K: tl.constexpr,
+    sxm, sxh, sxk, swh, swk, swn, sps, sym, syh, syn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, REDUCE: tl.constexpr,
 ):  # fmt: skip
-    """y[s, m, h, n] = sum over split s's K range of x[m, h, k] * w[h, k, n]; program (m tile,
-    n tile, head * SPLIT + s). With SPLIT = 1, y is the output in its dtype; else fp32 partials.
+    """y[m, h, n] = sum over k of x[m, h, k] * w[h, k, n]; program (m tile, n tile, head * SPLIT +
+    s) accumulates split s's K range in fp32. SPLIT = 1: rounds to y's dtype and stores y.
+    SPLIT > 1: stores the fp32 partial at part[s, m, h, n] (strides sps, sym, syh, syn); with
+    REDUCE, the tile's last program to take a ticket (ticket[tile] counts arrivals, and is reset
+    to 0 by that program) sums part[0] + part[1] + ... in split order, rounds once and stores y;
+    without REDUCE, `_sum_splits_kernel` does the same sum in a second launch.
     K is a constexpr (fixed per weight; a runtime loop bound does not run in the interpreter)."""
     pid_m, pid_n, pid_hs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h, s = pid_hs // SPLIT, pid_hs % SPLIT
@@ -68,20 +79,90 @@ def _mm_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)  # [BM, BN] 16-bit MMA, fp32 accumulate
-    y_ptrs = y_ptr + s.to(tl.int64) * sys_ + h.to(tl.int64) * syh + rn[None, :] * syn
-    y_ptrs += rm.to(tl.int64)[:, None] * sym  # [BM, BN]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    offs = h.to(tl.int64) * syh + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn  # [BM, BN]
+    ok = m_ok[:, None] & n_ok[None, :]  # [BM, BN]
+    if SPLIT == 1:
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + s.to(tl.int64) * sps + offs, acc, mask=ok)
+        if REDUCE:
+            tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+            tile = (h * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
+            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")  # arrivals before this
+            if ticket == SPLIT - 1:  # the others have stored theirs; read them from L2 (.cg)
+                tot = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLIT):
+                    tot += tl.load(part_ptr + j * sps + offs, mask=ok, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(ticket_ptr + tile, 0)  # clean for the next launch (or graph replay)
 
 
 @triton.jit(do_not_specialize=["numel"])
 def _sum_splits_kernel(ws_ptr, y_ptr, numel, sws, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """y = ws[0] + ws[1] + ... in that order (fp32), rounded once to y's dtype."""
+    """y = ws[0] + ws[1] + ... in that order (fp32), rounded once to y's dtype: `_mm_kernel`'s
+    in-kernel sum as a second launch (benchmarks and tests compare the two)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = offs < numel
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(ws_ptr + s * sws + offs, mask=ok, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+class _Scratch:
+    """One device's split-K scratch: fp32 partials and int32 tickets (one per output tile, all 0
+    between launches: each launch's last program per tile resets its ticket).
+
+    Captured CUDA graphs keep the addresses they were captured with, so a buffer is never freed
+    once handed out: growing (outside capture only) retires the old one into `retired`. Calls on
+    one stream are ordered, so graphs and eager calls may share the buffers; two split matmuls
+    running concurrently on different streams of one device must not (their tickets and partials
+    would mix)."""
+
+    PARTIALS_MAX = 128 << 20  # bytes kept; a larger call gets its own partials
+
+    def __init__(self) -> None:
+        self.partials: torch.Tensor | None = None
+        self.tickets: torch.Tensor | None = None
+        self.retired: list[torch.Tensor] = []
+
+    def take(self, n_part: int, n_tick: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partials with >= n_part fp32, tickets with >= n_tick zeros) for one launch. During a
+        capture that outgrows the buffers, the graph gets its own (its tickets zeroed by a
+        captured memset before every replay). Sizes at least double, so the retired buffers
+        add up to less than the live ones."""
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.tickets is None or self.tickets.numel() < n_tick:
+            if capturing:
+                return _fresh(n_part, device), torch.zeros(n_tick, dtype=torch.int32, device=device)
+            size = max(n_tick, 2 * _numel(self.tickets), 4096)
+            self._retire(self.tickets)
+            self.tickets = torch.zeros(size, dtype=torch.int32, device=device)
+        if 4 * n_part > self.PARTIALS_MAX:
+            return _fresh(n_part, device), self.tickets
+        if self.partials is None or self.partials.numel() < n_part:
+            if capturing:
+                return _fresh(n_part, device), self.tickets
+            size = min(max(n_part, 2 * _numel(self.partials), 1 << 20), self.PARTIALS_MAX // 4)
+            self._retire(self.partials)
+            self.partials = _fresh(size, device)
+        return self.partials, self.tickets
+
+    def _retire(self, t: torch.Tensor | None) -> None:
+        if t is not None:
+            self.retired.append(t)
+
+
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel()
+
+
+def _fresh(n: int, device) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.float32, device=device)
+
+
+_SCRATCH: dict[torch.device, _Scratch] = {}
 
 
 def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -99,30 +180,37 @@ def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return x, strides
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int) -> None:
-    """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws."""
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int,
+    cfg: MMConfig | None = None, two_launch: bool = False,
+) -> None:  # fmt: skip
+    """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws.
+    `cfg` (default: `mm_config`'s) and `two_launch` (the split-K sum as `_sum_splits_kernel`)
+    are for benchmarks and tests; both ways give the same bits."""
     x, xs = _canonical(x)
     if x.dim() == 2:
         xs = [xs[0], 0, xs[1]]
     m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
-    cfg = mm_config(n, k, x.dtype, heads)
+    cfg = cfg or mm_config(n, k, x.dtype, heads)
     bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     ys = (y.stride(0), 0, y.stride(-1)) if y.dim() == 2 else y.stride()
-    out, split_stride, numel = y, 0, y.numel()
-    if split > 1:  # fp32 partials [split, numel rounded up to 16] (a stride divisible by 16)
-        split_stride = triton.cdiv(numel, 16) * 16
-        out = torch.empty(split, split_stride, dtype=torch.float32, device=y.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads * split)
+    part, tickets, part_stride = y, y, 0
+    if split > 1:  # fp32 partials [split, numel rounded up to 16] (a stride divisible by 16)
+        part_stride = triton.cdiv(y.numel(), 16) * 16
+        scratch = _SCRATCH.setdefault(y.device, _Scratch())
+        part, tickets = scratch.take(split * part_stride, grid[0] * grid[1] * heads, y.device)
     _mm_kernel[grid](
-        x, w, out, m, n, k, *xs, *ws, split_stride, *ys,
+        x, w, y, part, tickets, m, n, k, *xs, *ws, part_stride, *ys,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, K_PER=k_per,
         FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        REDUCE=not two_launch, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and two_launch:
+        numel = y.numel()
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](
-            out, y, numel, split_stride, SPLIT=split, BLOCK=1024
+            part, y, numel, part_stride, SPLIT=split, BLOCK=1024
         )
 
 

@@ -5,15 +5,25 @@ row count M, or a row's arithmetic (tile sizes, K split) would depend on the bat
 DDTree verify forwards run the same configuration; prompt chunks (inside
 `backend.prefill_phase()`) run their own, since prompt rows are never compared with decode rows.
 
+A K split of S gives S programs per output tile, each writing an fp32 partial that the tile's
+last program sums in split order inside the same launch; its cost is those partials (M x N x S
+x 4 bytes written and read back, mostly in L2), not a launch.
+
 - 16-bit weights (bf16 / fp16, tensor-core MMA, fp32 accumulation), `_dense`: BLOCK_M 64 (one
   warpgroup MMA), BLOCK_N 128 for wide weights (N >= 4096, K >= 1024), 64 for N >= 1024, else
-  32; BLOCK_K 64, 4 warps, 4 stages; K split to at most 160 programs at M = 1.
+  32; BLOCK_K 64, 4 warps, 4 stages; K split (power of two, <= 16, K ranges >= 256) up to
+  DENSE_PROGRAMS programs at M = 1 (two per H200 SM): at decode sizes the weight streams from HBM
+  and one program per SM leaves bandwidth unused. At one K2.6 rank (tp = 8): q_a 7168->1536 and
+  kv_a 7168->576 split 8, q_b 1536->1536 4, o_proj 1024->7168 4, shared gate and up
+  7168->256 16, shared down 256->7168 1, absorbed 8 x [512->128] 2, 8 x [128->512] 1.
+  `bench/bench_dense.py --preset splitk` times these weights at other splits.
 - prompt chunks, 16-bit weights, `_prefill`: 128 x 128 (or 64 for N < 128) x 64 tiles, 8 warps,
   4 stages, no K split.
 - fp32 weights (the Router's gate), `_tf32x3`: three tf32 tensor-core MMAs per tile (hi*hi +
   hi*lo + lo*hi, about fp32 accuracy, not bitwise equal to torch's fp32 but row-invariant);
   64 x 64 x 32 tiles, K split up to 32 ways. On an H200: 0.8-1.7x torch's fp32 gate, 1.4e-6 max
-  abs error vs fp64 (bench/results/dense_round2_2026-11-30.json).
+  abs error vs fp64 (bench/results/dense_round2_2026-11-30.json, with the split sum then a
+  second launch).
 Host-side only: this module imports no triton.
 """
 
@@ -41,6 +51,9 @@ class MMConfig(NamedTuple):
     precision: str  # tl.dot input_precision for fp32 inputs ("tf32x3"); unused for 16-bit
 
 
+DENSE_PROGRAMS = 264  # `_dense`'s program budget at M = 1: two per SM of an H200 (132 SMs)
+
+
 def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> int:
     """Largest power-of-two split (<= max_split, K ranges >= min_k long) that keeps the program
     count at M = 1 within `target`: enough programs to stream the weight at small M, while the
@@ -54,7 +67,8 @@ def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> in
 
 def _dense(n: int, k: int, heads: int) -> MMConfig:
     bn = 128 if n >= 4096 and k >= 1024 else 64 if n >= 1024 else 32
-    return MMConfig(64, bn, 64, _split(heads * _cdiv(n, bn), k, 160, 8, 256), 4, 4, "")
+    split = _split(heads * _cdiv(n, bn), k, DENSE_PROGRAMS, 16, 256)
+    return MMConfig(64, bn, 64, split, 4, 4, "")
 
 
 def _tf32x3(n: int, k: int, heads: int) -> MMConfig:

@@ -2,6 +2,7 @@
 
 These are the ops `invariant.py` implements in Triton with a fixed reduction order per row; here
 they are ordinary torch calls, so they are only as batch-invariant as torch's kernels are.
+`split_sum_ref` is exact: the split-K matmul's combination of its fp32 partials, in its order.
 """
 
 from __future__ import annotations
@@ -41,3 +42,13 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
         width //= 2
         x = x[..., :width] + x[..., width:]
     return x  # [..., 1]
+
+
+def split_sum_ref(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """partials [S, ...] fp32 -> partials[0] + partials[1] + ... added in that order in fp32,
+    rounded once to `dtype`: how the split-K matmul combines its K ranges (`invariant._mm_kernel`
+    in-kernel, `invariant._sum_splits_kernel` as a second launch)."""
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc += p
+    return acc.to(dtype)

@@ -124,6 +124,100 @@ def test_bmm_heads_rows_do_not_depend_on_m(which: str) -> None:
     torch.testing.assert_close(bmm_heads(x[:32], w).double(), expected, atol=2e-2, rtol=2e-2)
 
 
+SPLIT_SHAPES = [  # (name, heads, N, K, dtype, forced split or None): one rank at tp = 8
+    ("q_a", 1, 1536, 7168, torch.bfloat16, None),
+    ("q_a", 1, 1536, 7168, torch.bfloat16, 16),
+    ("o_proj", 1, 7168, 1024, torch.bfloat16, None),
+    ("shared_gate_up", 1, 512, 7168, torch.bfloat16, None),
+    ("absorb_uv", 8, 128, 512, torch.bfloat16, 4),
+    ("router_fp32", 1, 384, 7168, torch.float32, None),
+]
+
+
+def _split_mm(x, w, heads: int, split: int | None, two_launch: bool):
+    """y from `invariant._launch` (w [N, K] for heads = 1, else [H, K, N]) and the fp32
+    partials it left in the scratch [S, *y.shape] (None without a split)."""
+    from ddserve.kernels import invariant
+
+    n, k = (w.shape[0], w.shape[1]) if heads == 1 else (w.shape[2], w.shape[1])
+    cfg = invariant.mm_config(n, k, x.dtype, heads)
+    cfg = cfg if split is None else cfg._replace(split=split)
+    shape = (x.shape[0], n) if heads == 1 else (x.shape[0], heads, n)
+    y = torch.empty(shape, dtype=x.dtype, device="cuda")
+    strides = (0, w.stride(1), w.stride(0)) if heads == 1 else w.stride()
+    invariant._launch(x, w, y, strides, heads, cfg, two_launch)
+    stride = -(-y.numel() // 16) * 16
+    if cfg.split == 1 or 4 * cfg.split * stride > invariant._Scratch.PARTIALS_MAX:
+        return y, None  # no partials, or the call's own (not kept)
+    part = invariant._SCRATCH[y.device].partials
+    return y, part[: cfg.split * stride].view(cfg.split, stride)[:, : y.numel()].reshape(
+        cfg.split, *shape
+    )
+
+
+@pytest.mark.parametrize("name,heads,n,k,dtype,split", SPLIT_SHAPES,
+                         ids=[f"{c[0]}-split{c[5]}" for c in SPLIT_SHAPES])  # fmt: skip
+def test_split_k_in_kernel_sum_equals_two_launch_sum(name, heads, n, k, dtype, split) -> None:
+    """The last-ticket program's split-order sum: bitwise the `_sum_splits_kernel` result and
+    `split_sum_ref` of the same partials, at every M, 20 launches in a row (a race would show
+    as a launch that differs), tickets all 0 afterwards."""
+    from ddserve.kernels import invariant
+    from ddserve.kernels.invariant_ref import split_sum_ref
+
+    x = rand(600, heads, k, dtype=dtype, seed=21) if heads > 1 else rand(600, k, dtype=dtype,
+                                                                         seed=21)  # fmt: skip
+    w = rand(heads, n, k, dtype=dtype, scale=k**-0.5, seed=22).transpose(1, 2) if heads > 1 else (
+        rand(n, k, dtype=dtype, scale=k**-0.5, seed=22))  # fmt: skip
+    bad = {}
+    for m in (1, 10, 17, 170, 599):
+        fused, parts = _split_mm(x[:m], w, heads, split, False)
+        ref = split_sum_ref(parts, dtype) if parts is not None else fused
+        two, _ = _split_mm(x[:m], w, heads, split, True)
+        repeats = (_split_mm(x[:m], w, heads, split, False)[0] for _ in range(20))
+        again = [i for i, y in enumerate(repeats) if not torch.equal(y, fused)]
+        if not (torch.equal(fused, two) and torch.equal(fused, ref)) or again:
+            bad[m] = {"eq_two_launch": torch.equal(fused, two), "eq_ref": torch.equal(fused, ref),
+                      "differing_repeats": len(again)}  # fmt: skip
+    scratch = invariant._SCRATCH.get(x.device)
+    assert scratch is None or int(scratch.tickets.abs().sum()) == 0
+    assert bad == {}
+
+
+def test_split_k_graph_replays_stay_exact_after_the_scratch_grows() -> None:
+    """A captured split matmul replays with fresh inputs bitwise like eager calls, also after an
+    eager call grew the scratch (the graph keeps using the buffers it was captured with)."""
+    from ddserve.kernels import invariant
+    from ddserve.kernels.invariant import linear
+
+    w = rand(1536, 7168, scale=7168**-0.5, seed=23)  # q_a: split K
+    split = invariant.mm_config(1536, 7168, torch.bfloat16).split
+    assert split > 1
+    invariant._SCRATCH.pop(w.device, None)  # a fresh scratch: its first size is known
+    static = rand(10, 7168, seed=24)  # [10, K]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        linear(static, w)  # warm-up: compile, scratch sized outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear(static, w)  # [10, 1536]
+    for seed in (25, 26):
+        static.copy_(rand(10, 7168, seed=seed))
+        graph.replay()
+        assert torch.equal(out, linear(static, w)), seed
+    scratch = invariant._SCRATCH[w.device]
+    before = scratch.partials
+    big = rand(before.numel() // (1536 * split) + 64, 7168, seed=27)  # outgrows the partials
+    linear(big, w)
+    assert scratch.partials is not before
+    static.copy_(rand(10, 7168, seed=28))
+    graph.replay()
+    assert torch.equal(out, linear(static, w))
+    torch.cuda.synchronize()
+    assert int(scratch.tickets.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("d,strided", [(7168, False), (1536, False), (512, True)])
 def test_rms_norm_rows_do_not_depend_on_m(d: int, strided: bool) -> None:
     from ddserve.kernels.invariant import rms_norm

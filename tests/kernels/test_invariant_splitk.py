@@ -1,0 +1,196 @@
+"""The split-K matmul's in-kernel reduction (ddserve/kernels/invariant.py), Triton interpreter.
+
+With the weight's K split into S ranges, every program stores its fp32 partial and takes a ticket
+for its output tile; the program with the last ticket sums the S partials in split order and
+rounds once. The specification: the result is bitwise the two-launch result (`_sum_splits_kernel`
+summing the same partials) and bitwise `invariant_ref.split_sum_ref` of the partials left in the
+scratch, whatever order the programs run in (the interpreter runs them one at a time, so the
+checks shuffle that order), and every ticket is back to 0 after each call. The checks run in one
+subprocess with TRITON_INTERPRET=1, as in test_invariant_ops.py (which covers accuracy and row
+invariance of the public ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddserve.kernels.invariant_ref import split_sum_ref
+from tests.triton_interp import patch_interpreter, require_triton
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wide(*shape, dtype, seed: int) -> torch.Tensor:
+    """Values spread over 2^-12..2^12 (fp16: 2^-5..2^5, no overflow), so the order of fp32
+    additions shows in the bits."""
+    g, e = torch.Generator().manual_seed(seed), 5 if dtype == torch.float16 else 12
+    x = torch.randn(*shape, generator=g) * 2.0 ** torch.randint(-e, e + 1, shape, generator=g)
+    return x.to(dtype)
+
+
+def interp_round(y32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> dtype as the interpreter's kernels cast: bf16 toward zero (tensor cores round to
+    nearest even; tests/gpu checks that), fp16 to nearest."""
+    if dtype != torch.bfloat16:
+        return y32.to(dtype)
+    return (y32.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+
+
+@contextlib.contextmanager
+def shuffled_programs(seed: int):
+    """The interpreter runs a grid's programs in a seeded random order instead of row-major, so
+    the last ticket of a tile goes to any of its splits."""
+    import triton.runtime.interpreter as ti
+
+    b, rng, state = ti.interpreter_builder, random.Random(seed), {}
+
+    def set_grid_dim(nx, ny, nz):
+        order = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+        rng.shuffle(order)
+        state.update(order=order, dims=(ny, nz))
+        type(b).set_grid_dim(b, nx, ny, nz)
+
+    def set_grid_idx(x, y, z):
+        ny, nz = state["dims"]
+        type(b).set_grid_idx(b, *state["order"][(x * ny + y) * nz + z])
+
+    b.set_grid_dim, b.set_grid_idx = set_grid_dim, set_grid_idx
+    try:
+        yield
+    finally:
+        del b.set_grid_dim, b.set_grid_idx
+
+
+def run(inv, x, w, heads: int, split: int | None, two_launch: bool):
+    """y [M, (H,) N] from `_launch` (split None: mm_config's), its config, and the partials the
+    call left in the scratch, viewed [S, *y.shape] (None when S = 1)."""
+    m, n, k = x.shape[0], w.shape[0] if heads == 1 else w.shape[2], x.shape[-1]
+    cfg = inv.mm_config(n, k, x.dtype, heads)
+    cfg = cfg if split is None else cfg._replace(split=split)
+    shape = (m, n) if heads == 1 else (m, heads, n)
+    y = torch.empty(shape, dtype=x.dtype)
+    strides = (0, w.stride(1), w.stride(0)) if heads == 1 else w.stride()
+    inv._launch(x, w, y, strides, heads, cfg, two_launch)
+    scratch = inv._SCRATCH.get(torch.device("cpu"))
+    if scratch is not None:
+        assert int(scratch.tickets.abs().sum()) == 0, "a ticket was left non-zero"
+    if cfg.split == 1:
+        return y, cfg, None
+    stride = -(-y.numel() // 16) * 16
+    parts = scratch.partials[: cfg.split * stride].view(cfg.split, stride)[:, : y.numel()]
+    return y, cfg, parts.reshape(cfg.split, *shape).clone()
+
+
+def check_fused_equals_two_launch_and_split_sum_ref(inv, dtype, heads: int, split) -> None:
+    rng = random.Random(f"{dtype}{heads}{split}")
+    for trial in range(2):
+        m, n, k = rng.choice([1, 7, 37, 70]), rng.choice([13, 45, 70]), rng.choice([200, 333, 600])
+        x = wide(m, k, dtype=dtype, seed=trial) if heads == 1 else wide(m, heads, k, dtype=dtype,
+                                                                         seed=trial)  # fmt: skip
+        w = (wide(n, k, dtype=dtype, seed=trial + 50) if heads == 1
+             else wide(heads, n, k, dtype=dtype, seed=trial + 50).transpose(1, 2))  # fmt: skip
+        with shuffled_programs(trial):
+            fused, cfg, parts = run(inv, x, w, heads, split, two_launch=False)
+        two, _, parts2 = run(inv, x, w, heads, split, two_launch=True)
+        where = f"m={m} n={n} k={k} split={cfg.split}"
+        assert torch.equal(fused, two), where
+        if parts is not None:
+            assert torch.equal(parts, parts2), where
+            assert torch.equal(fused, interp_round(split_sum_ref(parts, torch.float32), dtype)), (
+                where
+            )
+
+
+def check_default_configs_split_and_match(inv) -> None:
+    """The default configuration splits a narrow long-K weight; fused == two-launch there too."""
+    x, w = (
+        wide(19, 1030, dtype=torch.bfloat16, seed=7),
+        wide(20, 1030, dtype=torch.bfloat16, seed=8),
+    )
+    with shuffled_programs(3):
+        fused, cfg, _ = run(inv, x, w, 1, None, two_launch=False)
+    assert cfg.split > 1
+    assert torch.equal(fused, run(inv, x, w, 1, None, two_launch=True)[0])
+
+
+def check_scratch_grows_and_keeps_old_buffers(inv) -> None:
+    """A larger call grows the scratch; the old buffer stays referenced (captured graphs keep
+    its address); a smaller call afterwards reuses the grown buffer."""
+    inv.linear(
+        wide(2, 1030, dtype=torch.float32, seed=9), wide(20, 1030, dtype=torch.float32, seed=10)
+    )
+    scratch = inv._SCRATCH[torch.device("cpu")]
+    before = scratch.partials
+    m = before.numel() // (2 * 64) + 1  # split 2 x [m, 64] fp32 partials outgrow it
+    x, w = wide(m, 64, dtype=torch.float32, seed=11), wide(64, 64, dtype=torch.float32, seed=12)
+    big = run(inv, x, w, 1, 2, two_launch=False)[0]  # [m, 64]
+    assert scratch.partials.numel() >= 2 * m * 64 and scratch.partials is not before
+    assert any(t is before for t in scratch.retired)
+    grown = scratch.partials
+    assert torch.equal(run(inv, x[:3], w, 1, 2, two_launch=False)[0], big[:3])
+    assert scratch.partials is grown
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CASES = (
+    [(f"fused_eq_two_launch[{d},heads={h},split={s}]",
+      check_fused_equals_two_launch_and_split_sum_ref, (d, h, s))
+     for d in DTYPES for h in (1, 3) for s in (1, 2, 3, 5)]
+    + [("default_configs_split", check_default_configs_split_and_match, ())]
+    + [("scratch_grows_keeps_old", check_scratch_grows_and_keeps_old_buffers, ())]
+)  # fmt: skip
+
+
+def _run_checks() -> dict[str, str]:
+    """In the interpreter subprocess: every case -> "ok" or its failure text."""
+    from ddserve.kernels import invariant
+
+    out = {}
+    for name, fn, args in CASES:
+        try:
+            fn(invariant, *args)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case to the parent process
+            out[name] = traceback.format_exc(limit=3)
+    return out
+
+
+@functools.cache
+def _results() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode:
+        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in CASES])
+def test_split_k_in_interpreter(name: str) -> None:
+    require_triton()
+    result = _results()[name]
+    assert result == "ok", result
+
+
+def test_split_sum_ref_adds_in_split_order() -> None:
+    """The reference is (p0 + p1) + p2 in fp32, not a pairwise or float64 sum."""
+    p = torch.tensor([[1.0], [2.0**-24], [2.0**-24]])  # [3, 1]: in order, each add rounds away
+    assert split_sum_ref(p, torch.float32).item() == 1.0
+    assert split_sum_ref(p.flip(0), torch.float32).item() == 1.0 + 2.0**-23
+
+
+if __name__ == "__main__":
+    patch_interpreter()
+    print(json.dumps(_run_checks()))
