@@ -11,9 +11,10 @@ CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the 
 - add_rms_norm, mla_rope_cache, silu_mul: `fused_ref`'s torch sequences (the unfused model's ops)
 
 CUDA, bf16 / fp16 activations, batch-invariant mode on:
-- linear, bmm_heads (any float dtype): `invariant._mm_kernel` (+ `_sum_splits_kernel` when the
-  configuration splits K), configurations from `invariant_configs.mm_config`: `_dense` for 16-bit
-  weights, `_prefill` inside `prefill_phase()`, `_tf32x3` for float32 weights (float32 models)
+- linear, bmm_heads (any float dtype): `invariant._mm_kernel` (a configuration that splits K
+  sums its partials in split order inside the same launch), configurations from
+  `invariant_configs.mm_config`: `_dense` for 16-bit weights, `_prefill` inside
+  `prefill_phase()`, `_tf32x3` for float32 weights (float32 models)
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
 - add_rms_norm (residual add + RMSNorm): `fused._add_rms_kernel`
 - mla_rope_cache (kv_a_layernorm, RoPE, cache write; 16-bit cache): `fused._mla_rope_cache_kernel`

@@ -15,7 +15,7 @@ that decides the arithmetic of a row independently of M:
   scheduling), rounds once, stores the output and resets the ticket to 0. Partials and tickets
   live in a per-device scratch (`_Scratch`) shared by the calls of one stream; see it for the
   CUDA-graph and multi-stream contract. `_launch(two_launch=True)` does the same sum in a second
-  launch (`_sum_splits_kernel`), for tests and benchmarks only. fp32 inputs (the Router) use
+  launch (`_sum_splits_kernel`), for tests and benchmarks only. fp32 inputs (float32 models) use
   input_precision "tf32x3" (three tf32 MMAs, about fp32 accuracy), fixed by the configuration.
   M is `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M;
   strides and pointers are specialised (16-byte alignment lets triton vectorise the loads and

@@ -19,8 +19,9 @@ x 4 bytes written and read back, mostly in L2), not a launch.
   `bench/bench_dense.py --preset splitk` times these weights at other splits.
 - prompt chunks, 16-bit weights, `_prefill`: 128 x 128 (or 64 for N < 128) x 64 tiles, 8 warps,
   4 stages, no K split.
-- fp32 weights (the Router's gate), `_tf32x3`: three tf32 tensor-core MMAs per tile (hi*hi +
-  hi*lo + lo*hi, about fp32 accuracy, not bitwise equal to torch's fp32 but row-invariant);
+- fp32 weights (float32 models on CUDA; the Router's gate has its own kernel, `router.py`),
+  `_tf32x3`: three tf32 tensor-core MMAs per tile (hi*hi + hi*lo + lo*hi, about fp32 accuracy,
+  not bitwise equal to torch's fp32 but row-invariant);
   64 x 64 x 32 tiles, K split up to 32 ways. On an H200: 0.8-1.7x torch's fp32 gate, 1.4e-6 max
   abs error vs fp64 (bench/results/dense_round2_2026-11-30.json, with the split sum then a
   second launch).
