@@ -1,15 +1,14 @@
 """The MoE router in two Triton launches, batch-invariant: a token's expert ids and weights do not
 depend on how many other tokens are in the call or what they are.
 
-1. `_gate_partials_kernel`: the fp32 gate GEMV, spread over (expert blocks x K splits) programs so
-   that even one token streams the [E, D] fp32 weight with the whole GPU (K2.6 at tp = 8: 11 MB,
-   E 384, D 7168, 336 programs), and over token tiles. For each (token, expert, split) a program
-   keeps BLOCK_K fp32 accumulators (one per K lane), each an FMA chain over the split's K range
-   in BLOCK_K steps in K order, then sums the lanes with one fixed `tl.sum` tree: partials
-   [T, SPLIT, E_PAD]. No tensor cores; x is read in its own dtype and widened to fp32 (exact).
-   `RouterConfig.mma` (off by default; bench/bench_router.py --sweep times it) replaces the FMA
-   chains by one tl.dot "tf32x3" product per K step (about fp32 accuracy, row-invariant like
-   `invariant._mm_kernel`): at T in the hundreds the fp32 FMAs, not the weight, bound the time.
+1. `_gate_partials_kernel`: the fp32 gate GEMV, spread over (expert blocks x K splits) programs
+   and token tiles, each writing its split's partial logits [T, SPLIT, E_PAD]. The default
+   (`router_config`, `RouterConfig.mma`) takes one tl.dot "tf32x3" product per K step (three
+   tf32 tensor-core products, about fp32 accuracy, row-invariant like `invariant._mm_kernel`):
+   at K2.6's gate (tp = 8: 11 MB, E 384, D 7168) 12 expert blocks x 7 splits per 64-token tile.
+   Without `mma` a program keeps BLOCK_K fp32 accumulators per (token, expert), each an FMA
+   chain over the split's K range in K order, summed with one fixed `tl.sum` tree: exact fp32
+   products, but at T in the hundreds the FMAs, not the weight, bound the time.
 2. `_select_kernel`, one program per token: logits = partials of splits 0, 1, ... added in that
    order; sigmoid; + bias; the group filter (a group's score is the sum of its two best biased
    scores; the best `topk_group` groups are kept); top-k by descending biased score (ties: lower
@@ -49,15 +48,19 @@ class RouterConfig(NamedTuple):
 
 
 def router_config(e: int, d: int) -> RouterConfig:
-    """The configuration for an [E, D] gate: the split is the largest divisor of D's
-    (block_k * unroll)-chunks that keeps the gate's program count at T = 1 within
-    PROGRAMS_AT_T1 (whole chunks per split, no empty split). A function of the weight only."""
-    bt, be, bk, unroll = 16, 8, 64, 4
-    chunks = triton.cdiv(d, bk * unroll)
-    e_blocks = triton.cdiv(e, be)
+    """The configuration for an [E, D] gate: the tensor-core gate ("tf32x3") in tiles of 64
+    tokens x 32 experts, 32-wide K steps four at a time; K split into the largest number of
+    ranges that divides D's 256-wide chunks while ceil(E / 8) x split stays within
+    PROGRAMS_AT_T1 (7 at K2.6's 384 x 7168 gate). A function of the weight only.
+
+    Timed on an H200 at K2.6's gate (bench/bench_router.py --sweep, BENCHMARKS.md): 27 us per
+    call from 1 to 17 tokens and 36 us at 170, against 23 / 32 / 94 us for 16 x 8 tiles of fp32
+    FMA chains (the fastest FMA form at one token, 3x slower at 170 tokens)."""
+    chunks = triton.cdiv(d, 256)
+    e_blocks = triton.cdiv(e, 8)
     split = max(s for s in range(1, chunks + 1) if chunks % s == 0 and e_blocks * s <= max(
         PROGRAMS_AT_T1, e_blocks))  # fmt: skip
-    return RouterConfig(bt, be, bk, unroll, split, 4)
+    return RouterConfig(64, 32, 32, 4, split, 4, mma=True)
 
 
 @triton.jit(do_not_specialize=["T"])
