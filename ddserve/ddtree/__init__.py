@@ -9,14 +9,16 @@ from __future__ import annotations
 from ddserve.ddtree.accept import Acceptance, accept
 from ddserve.ddtree.sampling import select_tokens
 from ddserve.ddtree.tree import DraftTree, build_tree
-from ddserve.ddtree.verify import block_meta, verify_inputs, verify_step
+from ddserve.ddtree.verify import VerifyResult, block_meta, reselect, verify_inputs, verify_step
 
 __all__ = [
     "Acceptance",
+    "VerifyResult",
     "DraftTree",
     "accept",
     "block_meta",
     "build_tree",
+    "reselect",
     "select_tokens",
     "verify_inputs",
     "verify_step",

@@ -8,6 +8,7 @@ stream's committed prefix slots plus the block's own freshly allocated slots.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,17 @@ def verify_inputs(
     return ids.reshape(-1), positions.reshape(-1)
 
 
+@dataclass(frozen=True)
+class VerifyResult:
+    """A verify step's outcome: what the host reads, and what `reselect` needs."""
+
+    packed: torch.Tensor  # [B, 2 * (D' + 1) + 1] `Acceptance.packed`
+    hidden: torch.Tensor | None  # [B, D' + 1, C] hidden states of the accepted rows
+    tree: DraftTree
+    logits: torch.Tensor  # [B, N+1, V] the target's logits at every verify row
+    all_hidden: torch.Tensor | None  # [B, N+1, C] hidden states of every verify row
+
+
 def verify_step(
     forward: Callable,  # (ids [T], positions [T], visible [B, N+1, N+1]) -> ModelOutput
     select: Callable[[torch.Tensor], torch.Tensor],  # logits [B, N+1, V] -> tokens [B, N+1]
@@ -38,26 +50,35 @@ def verify_step(
     bonus: torch.Tensor,  # [B] each stream's last committed token (the root)
     prefix_lens: torch.Tensor,  # [B]
     budget: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> VerifyResult:
     """Everything of a DDTree step between the draft and the host: tree build, verify inputs, the
     target forward over every block's budget + 1 rows, the target's token at each row, and the
     acceptance walk. Pure tensor code with shapes fixed by (B, D, V, budget): the engine runs it
     eagerly or captures it whole in one CUDA graph (`graphs.GraphedForward.run_verify`).
-
-    Returns the packed acceptance [B, 2 * (D' + 1) + 1] (`Acceptance.packed`, D' = the tree's
-    depth bound) and the hidden states of each block's accepted rows [B, D' + 1, C] (rows past
-    the accepted count are the root's), or None when the forward captures no hidden states."""
+    D' is the tree's depth bound; rows of `hidden` past a block's accepted count are the
+    root's; hidden states are None when the forward captures none."""
     tree = build_tree(draft_logits, budget)
     ids, pos = verify_inputs(tree, bonus, prefix_lens)  # [B * (N+1)] each
     out = forward(ids, pos, tree.visible)
     b = bonus.shape[0]
-    target = select(out.logits.view(b, budget + 1, -1))  # [B, N+1]
-    acc = accept(tree, target)
+    logits = out.logits.view(b, budget + 1, -1)  # [B, N+1, V]
+    all_hidden = None if out.hidden is None else out.hidden.view(b, budget + 1, -1)
+    return _accepted(tree, logits, all_hidden, select)
+
+
+def reselect(res: VerifyResult, select: Callable[[torch.Tensor], torch.Tensor]) -> VerifyResult:
+    """The same verify step with other token choices (e.g. sampling where `res` was greedy):
+    acceptance redone from `res`'s logits and tree, no forward."""
+    return _accepted(res.tree, res.logits, res.all_hidden, select)
+
+
+def _accepted(tree: DraftTree, logits, all_hidden, select) -> VerifyResult:
+    acc = accept(tree, select(logits))
     hidden = None
-    if out.hidden is not None:
-        h = out.hidden.view(b, budget + 1, -1)  # [B, N+1, C]
-        hidden = h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1]))  # [B, D'+1, C]
-    return acc.packed(), hidden
+    if all_hidden is not None:
+        idx = acc.path[..., None].expand(-1, -1, all_hidden.shape[-1])  # [B, D'+1, C]
+        hidden = all_hidden.gather(1, idx)
+    return VerifyResult(acc.packed(), hidden, tree, logits, all_hidden)
 
 
 def pad_slot_lists(slot_lists: list[list[int]], device: torch.device | str) -> torch.Tensor:

@@ -5,7 +5,9 @@ The eager engine is launch-bound (a K2.6 rank forward is ~3,600 kernels). Two ki
   per block Q, prefix capacity P);
 - the whole verify step between the draft and the host (`_VerifyGraph`, `run_verify`:
   `ddtree.verify_step`'s tree build, verify inputs, target forward, token choice and acceptance),
-  one per (B, budget, P, drafter, all-greedy). A drafter whose draft is pure tensor code
+  one per (B, budget, P, drafter), with greedy token choice (a batch with sampled streams
+  redoes the choice and the acceptance from the graph's logits, eagerly: `ddtree.reselect`).
+  A drafter whose draft is pure tensor code
   (`Drafter.device_rows`, DFlash) is captured in the same graph; others run before it, eagerly,
   and their logits are copied in. The host then reads the packed acceptance with the step's one
   device-to-host copy.
@@ -22,14 +24,17 @@ is destroyed (NCCL >= 2.26 waits for them): call `close()` first.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from ddserve.ddtree import select_tokens, verify_step
+from ddserve.ddtree import VerifyResult, verify_step
 from ddserve.kernels.tree_attn import TreeAttnMeta
 
 log = logging.getLogger(__name__)
+
+TREE_TENSORS = ("tokens", "parents", "depths", "visible", "scores")  # DraftTree's [B, ...] fields
 
 
 def _pow2_at_least(n: int, floor: int = 256) -> int:
@@ -79,13 +84,13 @@ class _Graph:
 
 
 class _VerifyGraph:
-    """One captured `verify_step` (tree build, verify inputs, target forward, token choice,
+    """One captured `verify_step` (tree build, verify inputs, target forward, greedy token choice,
     acceptance), preceded by the draft itself when the drafter can be captured (`drafter`, its
     `draft_rows` from static state rows), else fed the drafter's logits [B, D, V] (`draft_shape`
     (D, V)). Padding blocks draft from row 0 or get zero logits, have no prefix, write to scratch
     slots and see only their own block."""
 
-    def __init__(self, run_model, b, n, p, drafter, draft_shape, greedy, scratch, device) -> None:
+    def __init__(self, run_model, b, n, p, drafter, draft_shape, scratch, device) -> None:
         q = n + 1
         self.meta, self._scratch, _ = _static_meta(b, q, p, scratch, device)
         self.q = q
@@ -94,25 +99,19 @@ class _VerifyGraph:
         self.draft = None
         if drafter is None:
             self.draft = torch.zeros(b, *draft_shape, dtype=torch.float32, device=device)
-        # rows: temperature, top_p (float) / top_k, seed, step (int64), one host copy each
-        self.fparams = torch.zeros(2, b, dtype=torch.float32, device=device)
-        self.iparams = torch.zeros(3, b, dtype=torch.long, device=device)
 
         def forward(ids, pos, visible):
             self.meta.block_mask.copy_(visible)
             return run_model(ids, pos, self.meta)
 
-        def select(logits):
-            (temp, top_p), (top_k, seeds, steps) = self.fparams, self.iparams
-            return select_tokens(logits, temp, top_k, top_p, seeds, steps, all_greedy=greedy)
-
         def step():
             draft = self.draft if drafter is None else drafter.draft_rows(self.rows, self.bonus)
-            return verify_step(forward, select, draft, self.bonus, self.meta.prefix_lens, n)
+            argmax = lambda logits: logits.argmax(dim=-1)  # noqa: E731
+            return verify_step(forward, argmax, draft, self.bonus, self.meta.prefix_lens, n)
 
         self.graph, self.out = _capture(step, device)
 
-    def replay(self, draft, rows, bonus, prefix, prefix_lens, block_slots, fparams, iparams):
+    def replay(self, draft, rows, bonus, prefix, prefix_lens, block_slots) -> VerifyResult:
         n = prefix_lens.shape[0]
         if self.draft is not None:
             self.draft[:n].copy_(draft)
@@ -122,8 +121,6 @@ class _VerifyGraph:
             self.rows[n:].zero_()
         self.bonus[:n].copy_(bonus)
         self.bonus[n:].zero_()
-        self.fparams[:, :n].copy_(fparams)
-        self.iparams[:, :n].copy_(iparams)
         _fill_meta(self.meta, n, n * self.q, prefix, prefix_lens, block_slots, self._scratch)
         self.graph.replay()
         return self.out
@@ -182,27 +179,28 @@ class GraphedForward:
         return type(out)(logits=out.logits[: n * q], hidden=hidden)  # logits: until next replay
 
     def run_verify(
-        self, draft, rows, drafter, bonus, prefix, prefix_lens, block_slots, fparams, iparams,
-        budget, greedy,
-    ):  # fmt: skip
-        """`verify_step` over the first n = len(prefix_lens) blocks by replaying one graph, with
-        the draft inside it (`drafter.draft_rows(rows, bonus)`) when `draft` is None: (packed
-        acceptance [n, .], the accepted rows' hidden states [n, D'+1, C] or None), or None when
-        the shape is not graphable. fparams [2, n] (temperature, top_p) and iparams [3, n]
-        (top_k, seed, step) are the streams' sampling inputs."""
+        self, draft, rows, drafter, bonus, prefix, prefix_lens, block_slots, budget: int
+    ) -> VerifyResult | None:
+        """`verify_step` with greedy token choice over the first n = len(prefix_lens) blocks, by
+        replaying one graph, the draft inside it (`drafter.draft_rows(rows, bonus)`) when
+        `draft` is None; None when the shape is not graphable. The result's tensors are the
+        graph's static outputs (valid until its next replay), cut to n blocks; sampled batches
+        redo the choice from its logits (`ddtree.reselect`)."""
         n = prefix_lens.shape[0]
         b = self._bucket(n, budget + 1)
         if b is None:
             return None
         source = (None, tuple(draft.shape[1:])) if draft is not None else (drafter, None)
-        key = (b, budget, _pow2_at_least(prefix.shape[1]), *source, greedy)
+        key = (b, budget, _pow2_at_least(prefix.shape[1]), *source)
         g = self._verify.get(key)
         if g is None:
             log.info("capturing the verify step for blocks=%d budget=%d prefix<=%d", *key[:3])
             g = self._verify[key] = _VerifyGraph(self._run_model, *key, self._scratch, self._device)
-        out = g.replay(draft, rows, bonus, prefix, prefix_lens, block_slots, fparams, iparams)
-        packed, hidden = out
-        return packed[:n], None if hidden is None else hidden[:n].clone()
+        res = g.replay(draft, rows, bonus, prefix, prefix_lens, block_slots)
+        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        tree = dataclasses.replace(res.tree, **{f: cut(getattr(res.tree, f)) for f in TREE_TENSORS})
+        return VerifyResult(cut(res.packed), cut(res.hidden), tree, cut(res.logits),
+                            cut(res.all_hidden))  # fmt: skip
 
     def close(self) -> None:
         self._graphs.clear()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ddserve.config import ModelConfig
-from ddserve.ddtree import block_meta, select_tokens, verify_step
+from ddserve.ddtree import block_meta, reselect, select_tokens, verify_step
 from ddserve.ddtree.verify import causal_masks
 from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.base import Drafter
@@ -229,22 +229,18 @@ class ModelRunner:
         drafter's logits `draft`, or, when it is None, from its state `rows` (the draft then runs
         in the same graph): one graph replay when graphs are on and the shape fits, else eagerly."""
         lens = [len(st.slots) for st in sts]
+        select = lambda logits: self._sample(sts, logits)  # noqa: E731
         if self._graphs is not None:
             prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
-            params = [st.params for st in sts]
-            fparams = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]])
-            iparams = torch.tensor(
-                [[p.top_k for p in params], [st.seed for st in sts], [st.steps for st in sts]]
-            )
             res = self._graphs.run_verify(
                 draft, rows, self.drafter, bonus, prefix, torch.tensor(lens).to(self.device),
-                torch.tensor([s for b in blocks for s in b]).to(self.device),
-                fparams.to(self.device), iparams.to(self.device), n,
-                all(p.greedy for p in params),
+                torch.tensor([s for b in blocks for s in b]).to(self.device), n,
             )  # fmt: skip
             if res is not None:
                 self.target_forwards += 1
-                return res
+                if not all(st.params.greedy for st in sts):
+                    res = reselect(res, select)
+                return res.packed, None if res.hidden is None else res.hidden.clone()
         if draft is None:
             draft = self.drafter.draft_rows(rows, bonus)  # [B, D, V]
 
@@ -252,8 +248,8 @@ class ModelRunner:
             return self._forward(ids, pos, self._meta(sts, [n + 1] * len(sts), blocks, visible))
 
         prefix_lens = torch.tensor(lens, device=self.device)  # [B]
-        select = lambda logits: self._sample(sts, logits)  # noqa: E731
-        return verify_step(forward, select, draft, bonus, prefix_lens, n)
+        res = verify_step(forward, select, draft, bonus, prefix_lens, n)
+        return res.packed, res.hidden
 
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1

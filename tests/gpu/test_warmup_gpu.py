@@ -65,12 +65,12 @@ def test_after_warmup_every_bucket_and_capacity_replays_a_captured_graph(worker)
     plan = WarmupPlan(step_shapes(BUCKETS, max(BUCKETS), [(BUDGET,)] * len(BUCKETS)),
                       prefix_capacities(True, 1024))  # fmt: skip
     took = run_warmup(rank, plan, runner.model_cfg.vocab_size)
-    captured = set(runner._graphs._graphs)
-    assert len(captured) == len(BUCKETS) * len(plan.capacities) == 9  # (bucket, budget, P)
+    captured = set(runner._graphs._verify)  # DDTree steps replay whole verify-step graphs
+    assert len(captured) == len(BUCKETS) * len(plan.capacities) == 9  # (bucket, budget, P, ..)
     assert runner.free_slots == free
     batches = {"1 short": [8], "2 short": [8, 9], "3 short": [8, 9, 10], "1 long": [300],
                "3 mixed": [8, 600, 20], "4 long": [700, 701, 702, 703]}  # fmt: skip
     steps = {name: _first_step_s(rank, lens, name) for name, lens in batches.items()}
-    assert set(runner._graphs._graphs) == captured and runner.free_slots == free
+    assert set(runner._graphs._verify) == captured and runner.free_slots == free
     print(f"\nwarm-up {took:.2f} s for {plan.total} shapes; first steps after it: "
           + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in steps.items()))  # fmt: skip
