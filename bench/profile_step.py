@@ -291,14 +291,12 @@ def profile_forward(runner, inputs, args, recorder, bw) -> dict:
     return out
 
 
-def use_router_mma() -> None:
-    """Every router call of this process takes the tensor-core gate configuration (bench only)."""
+def use_router_fma() -> None:
+    """Every router call of this process takes the FMA gate configuration (bench only)."""
     from ddserve.kernels import router
 
     base = router.router_config
-    router.router_config = lambda e, d: router.RouterConfig(
-        16, 16, 64, 2, base(e, d).split, 4, True
-    )
+    router.router_config = lambda e, d: router.RouterConfig(16, 8, 64, 4, base(e, d).split, 4)
 
 
 def capture_inputs(bench, sids: list[int], budget: int | None, depth: int) -> tuple:
@@ -326,15 +324,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefix", type=int, help="prompt tokens per stream (1024)")
     ap.add_argument("--reps", type=int, default=3, help="profiled graph replays")
     ap.add_argument(
-        "--router-mma",
+        "--router-fma",
         action="store_true",
-        help="the router's gate on tensor cores (RouterConfig 16x16x64x2, mma) instead of FMAs",
+        help="the router's gate as fp32 FMA chains (16x8 tiles) instead of the tensor-core default",
     )
     ap.add_argument("--out", default=None, help="JSON output path (default: print)")
     args = ap.parse_args(argv)
     budget = args.budget or (4 if args.small else 16)
-    if args.router_mma:
-        use_router_mma()
+    if args.router_fma:
+        use_router_fma()
     eargs = [
         *(["--small"] if args.small else []),
         "--budgets",
@@ -365,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     c_max = max(ea.batches)
     bench.run_ar(bench.sids[:c_max], 0, ea.depth + 2)  # the oracle's continuation
     report = dict(
-        router_mma=args.router_mma,
+        router_fma=args.router_fma,
         benchmark="profile_step",
         env=environment(),
         layers=rep["layers"],
