@@ -19,7 +19,17 @@ split depends on M.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NEEDS_TRITON = (
     "CPU interpreter test: needs triton (the test extra installs triton==3.6.0 on Linux: "
@@ -30,6 +40,32 @@ NEEDS_TRITON = (
 def require_triton() -> None:
     """Skip the calling test (or, at module level, the whole module) when triton is missing."""
     pytest.importorskip("triton", reason=NEEDS_TRITON)
+
+
+def run_cases(cases, *leading) -> dict[str, str]:
+    """In the interpreter process: each (name, check, args) case run as check(*leading, *args)
+    -> "ok" or its failure text."""
+    out = {}
+    for name, fn, args in cases:
+        try:
+            fn(*leading, *args)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per case to the parent process
+            out[name] = traceback.format_exc(limit=3)
+    return out
+
+
+@functools.cache
+def interpreter_results(script: str) -> dict[str, str]:
+    """`script` (a test file) run as a program with TRITON_INTERPRET=1; its `__main__` prints
+    `run_cases`' result as JSON on its last line. Fails the calling test if the run fails."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode:
+        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def tile_dot(a, b, out_dtype):

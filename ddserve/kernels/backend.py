@@ -187,21 +187,22 @@ def _note(op: str, choice: str) -> None:
 
 
 @functools.cache
-def _invariant_kernels():
-    """The Triton module, or None when it does not import (logged once)."""
-    try:
-        from ddserve.kernels import invariant
+def _triton_module(name: str):
+    """ddserve.kernels.<name> (a Triton kernel module), or None when it does not import (logged
+    once per module: the torch references run instead)."""
+    import importlib
 
-        return invariant
+    try:
+        return importlib.import_module(f"ddserve.kernels.{name}")
     except ImportError as e:  # pragma: no cover - depends on the machine
-        log.warning("triton batch-invariant kernels unavailable (%s); using torch", e)
+        log.warning("triton kernels %s unavailable (%s); using torch", name, e)
         return None
 
 
 def _invariant_for(op: str, x: torch.Tensor):
     """The invariant kernels when the mode is on, x is on CUDA in a supported dtype; else None."""
     use = _current.batch_invariant and x.device.type == "cuda" and x.dtype in INVARIANT_DTYPES
-    kernels = _invariant_kernels() if use else None
+    kernels = _triton_module("invariant") if use else None
     _note(op, f"triton batch-invariant ({x.dtype})" if kernels else f"torch ({x.device.type})")
     return kernels
 
@@ -251,22 +252,10 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 # replace, with `rms_norm` above as its norm, so the CPU path is the unfused model bit for bit.
 
 
-@functools.cache
-def _fused_kernels():
-    """The Triton module, or None when it does not import (logged once)."""
-    try:
-        from ddserve.kernels import fused
-
-        return fused
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        log.warning("triton fused elementwise kernels unavailable (%s); using torch", e)
-        return None
-
-
 def _fused_for(op: str, x: torch.Tensor):
     """The fused kernels when the mode is on and x is 16-bit on CUDA; else None."""
     use = _current.batch_invariant and x.device.type == "cuda" and x.dtype in HALF
-    kernels = _fused_kernels() if use else None
+    kernels = _triton_module("fused") if use else None
     _note(op, f"triton fused ({x.dtype})" if kernels else f"torch sequence ({x.device.type})")
     return kernels
 
@@ -316,18 +305,6 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the MoE router (Triton in router.py, torch in router_ref.py) -----------------------------
-@functools.cache
-def _router_kernels():
-    """The Triton router module, or None when it does not import (logged once)."""
-    try:
-        from ddserve.kernels import router
-
-        return router
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        log.warning("triton router kernel unavailable (%s); using torch", e)
-        return None
-
-
 def route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, params: RoutingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,7 +315,7 @@ def route(
     from ddserve.kernels.router_ref import route_ref
 
     use = _current.batch_invariant and x.device.type == "cuda"
-    kernels = _router_kernels() if use else None
+    kernels = _triton_module("router") if use else None
     _note("route", "triton batch-invariant router" if kernels else f"torch ({x.device.type})")
     if kernels:
         return kernels.route(x, weight, bias, params)

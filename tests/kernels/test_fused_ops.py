@@ -13,14 +13,8 @@ and read the PTX for what numpy cannot show (contracted fmas, the reduction's in
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import re
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,9 +27,8 @@ from ddserve.kernels.fused_ref import (
     silu_mul_ref,
 )
 from ddserve.kernels.invariant_ref import rms_norm_ref
-from tests.triton_interp import patch_interpreter, require_triton
+from tests.triton_interp import interpreter_results, patch_interpreter, require_triton, run_cases
 
-ROOT = Path(__file__).resolve().parents[2]
 HALF = [torch.bfloat16, torch.float16]
 
 
@@ -132,25 +125,12 @@ def _run_checks() -> dict[str, str]:
     """In the interpreter subprocess: every case -> "ok" or its failure text."""
     from ddserve.kernels import fused, invariant
 
-    out = {}
-    for name, fn, args in CASES:
-        try:
-            fn(fused, *(invariant if a == "inv" else a for a in args))
-            out[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per case to the parent process
-            out[name] = traceback.format_exc(limit=3)
-    return out
+    cases = [(n, fn, tuple(invariant if a == "inv" else a for a in args)) for n, fn, args in CASES]
+    return run_cases(cases, fused)
 
 
-@functools.cache
 def _results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode:
-        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])

@@ -68,8 +68,7 @@ def _skewed(gen):
 def _compare(name: str, ids, e: int, bm: int, gather: bool) -> dict:
     import torch
 
-    from ddserve.kernels.moe_align import align_by_expert_triton
-    from ddserve.kernels.moe_align import align_by_expert
+    from ddserve.kernels.moe_align import align_by_expert, align_by_expert_triton
 
     want = align_by_expert(ids, e, bm)
     got = align_by_expert_triton(ids, e, bm, gather=gather)

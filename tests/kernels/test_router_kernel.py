@@ -12,12 +12,10 @@ on the GPU at Kimi K2.6 shapes.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 
 from ddserve.kernels import backend
 from ddserve.kernels.router_ref import RoutingParams, route_ref
-from tests.triton_interp import patch_interpreter, require_triton
+from tests.triton_interp import interpreter_results, patch_interpreter, require_triton, run_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,25 +139,11 @@ def _run_checks() -> dict[str, str]:
     """In the interpreter subprocess: every case -> "ok" or its failure text."""
     from ddserve.kernels import router
 
-    out = {}
-    for name, fn, args in CASES:
-        try:
-            fn(router, *args)
-            out[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per case to the parent process
-            out[name] = traceback.format_exc(limit=3)
-    return out
+    return run_cases(CASES, router)
 
 
-@functools.cache
 def _results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode:
-        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
