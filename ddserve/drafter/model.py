@@ -141,8 +141,9 @@ class DFlashDrafter(Drafter):
         """One context forward for every stream's committed tokens (their hidden states laid
         end to end), one write into the ring: a step's commit costs the same launches for 1
         stream as for 10."""
-        if len(items) == 1:
-            self._append(*items[0])
+        if len({sid for sid, _, _ in items}) < len(items) or len(items) < 2:
+            for item in items:  # a stream twice must see its first commit: one at a time
+                self._append(*item)
             return
         hiddens, positions, appends = [], [], []
         for sid, token_ids, hidden in items:

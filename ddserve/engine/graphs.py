@@ -164,38 +164,45 @@ class GraphedForward:
         b = next((x for x in self.buckets if x >= n), None)
         return None if b is None or b * q > len(self._scratch) else b
 
-    def run(self, ids, pos, prefix, prefix_lens, block_slots, mask, q: int):
+    def run(self, ids, pos, prefix, prefix_lens, block_slots, mask, q: int, tag=()):
+        """The forward over the first n = len(prefix_lens) blocks of q rows by graph replay, or
+        None when the shape is not graphable. `tag`: what else the captured forward depends on
+        (the runner's captured layers, which follow its drafter); part of the graph's key."""
         n = prefix_lens.shape[0]
         b = self._bucket(n, q)
         if b is None:
             return None
-        key = (b, q, _pow2_at_least(prefix.shape[1]))
-        g = self._graphs.get(key)
+        shape = (b, q, _pow2_at_least(prefix.shape[1]))
+        g = self._graphs.get((*shape, tag))
         if g is None:
-            log.info("capturing the target forward for blocks=%d rows=%d prefix<=%d", *key)
-            g = self._graphs[key] = _Graph(self._run_model, *key, self._scratch, self._device)
+            log.info("capturing the target forward for blocks=%d rows=%d prefix<=%d", *shape)
+            g = self._graphs[(*shape, tag)] = _Graph(
+                self._run_model, *shape, self._scratch, self._device
+            )
         out = g.replay(ids, pos, prefix, prefix_lens, block_slots, mask)
         hidden = None if out.hidden is None else out.hidden[: n * q].clone()  # small; kept later
         return type(out)(logits=out.logits[: n * q], hidden=hidden)  # logits: until next replay
 
     def run_verify(
-        self, draft, rows, drafter, bonus, prefix, prefix_lens, block_slots, budget: int
+        self, draft, rows, drafter, bonus, prefix, prefix_lens, block_slots, budget: int, tag=()
     ) -> VerifyResult | None:
         """`verify_step` with greedy token choice over the first n = len(prefix_lens) blocks, by
         replaying one graph, the draft inside it (`drafter.draft_rows(rows, bonus)`) when
-        `draft` is None; None when the shape is not graphable. The result's tensors are the
-        graph's static outputs (valid until its next replay), cut to n blocks; sampled batches
-        redo the choice from its logits (`ddtree.reselect`)."""
+        `draft` is None; None when the shape is not graphable; `tag` as in `run`. The result's
+        tensors are the graph's static outputs (valid until its next replay), cut to n blocks;
+        sampled batches redo the choice from its logits (`ddtree.reselect`)."""
         n = prefix_lens.shape[0]
         b = self._bucket(n, budget + 1)
         if b is None:
             return None
         source = (None, tuple(draft.shape[1:])) if draft is not None else (drafter, None)
         key = (b, budget, _pow2_at_least(prefix.shape[1]), *source)
-        g = self._verify.get(key)
+        g = self._verify.get((*key, tag))
         if g is None:
             log.info("capturing the verify step for blocks=%d budget=%d prefix<=%d", *key[:3])
-            g = self._verify[key] = _VerifyGraph(self._run_model, *key, self._scratch, self._device)
+            g = self._verify[(*key, tag)] = _VerifyGraph(
+                self._run_model, *key, self._scratch, self._device
+            )
         res = g.replay(draft, rows, bonus, prefix, prefix_lens, block_slots)
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         tree = dataclasses.replace(res.tree, **{f: cut(getattr(res.tree, f)) for f in TREE_TENSORS})

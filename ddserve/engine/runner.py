@@ -218,7 +218,7 @@ class ModelRunner:
             prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
             flat = torch.tensor([s for block in new for s in block]).to(self.device)
             lens_t = torch.tensor(lens).to(self.device)
-            out = self._graphs.run(ids, pos, prefix, lens_t, flat, mask, q)
+            out = self._graphs.run(ids, pos, prefix, lens_t, flat, mask, q, tag=self.capture)
             if out is not None:
                 self.target_forwards += 1
                 return out
@@ -234,7 +234,7 @@ class ModelRunner:
             prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
             res = self._graphs.run_verify(
                 draft, rows, self.drafter, bonus, prefix, torch.tensor(lens).to(self.device),
-                torch.tensor([s for b in blocks for s in b]).to(self.device), n,
+                torch.tensor([s for b in blocks for s in b]).to(self.device), n, self.capture,
             )  # fmt: skip
             if res is not None:
                 self.target_forwards += 1
@@ -370,15 +370,17 @@ class ModelRunner:
             ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
             out = self._decode_forward(sts, 1, new, ones, ids, pos)
             toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
-        outs, commits = {}, []
-        for i, (st, tok) in enumerate(zip(sts, toks, strict=True)):
-            h = out.hidden[i : i + 1] if out.hidden is not None else None
-            commits.append((st.sid, [st.output[-1]], h))
+            if self.drafter is not None:  # before any stream changes: a failure undoes the step
+                hid = out.hidden
+                self.drafter.commit_many([
+                    (st.sid, [st.output[-1]], None if hid is None else hid[i : i + 1])
+                    for i, st in enumerate(sts)
+                ])  # fmt: skip
+        outs = {}
+        for st, tok in zip(sts, toks, strict=True):
             st.steps += 1
             st.committed.append(1)
             outs[st.sid] = st.emit([tok])
-        if self.drafter is not None:
-            self.drafter.commit_many(commits)
         self._keep_slots(list(zip(sts, new, strict=True)))
         return self._finish(outs)
 
@@ -408,20 +410,20 @@ class ModelRunner:
         with self._free_on_error(blocks):
             packed_t, hidden = self._verify(sts, draft, rows, bonus, blocks, n)
             packed = packed_t.tolist()  # the step's one D2H copy
-        width = (len(packed[0]) - 1) // 2
-        outs, kept_slots, commits = {}, [], []
-        for i, (st, block) in enumerate(zip(sts, blocks, strict=True)):
-            k = packed[i][0]
-            path, toks = packed[i][1 : 1 + k], packed[i][1 + width : 1 + width + k]
-            keep = [block[r] for r in path]
+            width = (len(packed[0]) - 1) // 2
+            rows = [p[1 : 1 + p[0]] for p in packed]  # each stream's kept verify rows
+            toks = [p[1 + width : 1 + width + p[0]] for p in packed]  # its committed tokens
+            self.drafter.commit_many([  # before any stream changes: a failure undoes the step
+                (st.sid, [st.output[-1]] + t[:-1], None if hidden is None else hidden[i, : len(t)])
+                for i, (st, t) in enumerate(zip(sts, toks, strict=True))
+            ])  # fmt: skip
+        outs, kept_slots = {}, []
+        for st, block, path, tk in zip(sts, blocks, rows, toks, strict=True):
             kept = set(path)
             self.allocator.free([s for r, s in enumerate(block) if r not in kept])
-            kept_slots.append((st, keep))
-            h = hidden[i, :k] if hidden is not None else None
-            commits.append((st.sid, [st.output[-1]] + toks[:-1], h))
+            kept_slots.append((st, [block[r] for r in path]))
             st.steps += 1
-            st.committed.append(k)
-            outs[st.sid] = dataclasses.replace(st.emit(toks), accepted_rows=tuple(path[1:]))
-        self.drafter.commit_many(commits)
+            st.committed.append(len(tk))
+            outs[st.sid] = dataclasses.replace(st.emit(tk), accepted_rows=tuple(path[1:]))
         self._keep_slots(kept_slots)
         return self._finish(outs)

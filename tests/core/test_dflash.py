@@ -206,6 +206,26 @@ def test_incremental_context_equals_recompute(case):
     assert max(h.shape[0] for h in history.values()) > 3 * 16  # the ring wrapped several times
 
 
+def test_commit_many_of_a_stream_twice_or_of_none_is_sequential_commits():
+    """A stream listed twice gets both commits in order; an empty batch changes nothing."""
+    raw = drafter_raw(**CASES["sliding"])
+    model, _ = make_model(raw, seed=3)
+    target, g = FakeTarget(seed=1), torch.Generator().manual_seed(5)
+    many = DFlashDrafter(model, target, max_streams=2, max_context=512)
+    one = DFlashDrafter(model, target, max_streams=2, max_context=512)
+    k = len(many.capture_layers)
+    first, a, b = (torch.randn(n, k * H, generator=g) for n in (6, 3, 2))
+    for d in (many, one):
+        d.add_stream("s", [0] * 6, first)
+    many.commit_many([])
+    many.commit_many([("s", [0] * 3, a), ("s", [0] * 2, b)])
+    one.commit("s", [0] * 3, a)
+    one.commit("s", [0] * 2, b)
+    assert many.cache.length("s") == one.cache.length("s") == 11
+    bonus = torch.tensor([4])
+    torch.testing.assert_close(many.draft(["s"], bonus), one.draft(["s"], bonus))
+
+
 def test_sliding_drafter_keeps_only_its_window():
     raw = drafter_raw(**CASES["sliding"])
     model, _ = make_model(raw)

@@ -240,10 +240,14 @@ def test_heldout_walk_commits_what_the_engine_commits(served, data):
     budget, p, new = 4, 8, 30
     runner = make_runner(model_dir, budget, drafter=drafter_dir)
     commits: dict[int, list[int]] = {}
-    commit = runner.drafter.commit
-    runner.drafter.commit = lambda sid, ids, h: (
-        commits.setdefault(sid, []).append(len(ids)) or (commit(sid, ids, h))
-    )
+    commit_many = runner.drafter.commit_many
+
+    def spy(items):  # the engine commits every stream of a step in one call
+        for sid, ids, _ in items:
+            commits.setdefault(sid, []).append(len(ids))
+        return commit_many(items)
+
+    runner.drafter.commit_many = spy
     prompts = [data.tokens[i, :p].tolist() for i in range(4)]
     out = run_all(runner, prompts, SamplingParams(max_tokens=new, ignore_eos=True), True)
     served_target = TrainTarget.from_checkpoint(model_dir)
