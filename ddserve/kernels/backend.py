@@ -175,9 +175,9 @@ def device_type(t: torch.Tensor | torch.device) -> str:
 
 # ---- batch-invariant dense ops (Triton in invariant.py, torch in invariant_ref.py) -------------
 # Chosen per call: the mode can change between engines, and a model also runs on the CPU.
-# float32: the Router's gate, and every dense op of a float32 model on CUDA in batch-invariant
-# mode; computed per `invariant_configs` ("tf32x3": three tensor-core products, about fp32
-# accuracy, row-invariant, not bitwise torch's fp32)
+# float32: every dense op of a float32 model on CUDA in batch-invariant mode (the Router's gate
+# has its own kernel, `route` below); computed per `invariant_configs` ("tf32x3": three
+# tensor-core products, about fp32 accuracy, row-invariant, not bitwise torch's fp32)
 INVARIANT_DTYPES = (*HALF, torch.float32)
 
 
