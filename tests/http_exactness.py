@@ -5,8 +5,8 @@ at once so streams share verify batches; then `--no-speculative`, with the promp
 time (different batches, different prefill company). Greedy completions (temperature 0,
 ignore_eos) must be identical, character for character. With batch-invariant kernels this holds
 in bf16 on GPUs too (tp <= 2 exactly; tp > 2 through the rank-order all-reduce). Writes JSON;
-exits 1 if any completion differs. Run by tests/serve/test_serve_exactness.py (CPU: tp = 2 over gloo,
-float32) and, on GPUs, by bench/serve_exactness.py (`bash bench/run.sh exactness`):
+exits 1 if any completion differs. Run by tests/serve/test_serve_exactness.py (CPU: tp = 2 over
+gloo, float32) and, on GPUs, by bench/serve_exactness.py (`bash bench/run.sh exactness`):
 
     python bench/serve_exactness.py --out results/serve_exactness.json [-- <ddserve serve flags>]
 """
