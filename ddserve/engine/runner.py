@@ -260,17 +260,16 @@ class ModelRunner:
 
     def _sample(self, sts: list[Stream], logits: torch.Tensor) -> torch.Tensor:
         """logits [B, M, V] -> the target token at every row [B, M] (step = each stream's step)."""
-        dev = logits.device
         params = [st.params for st in sts]
-        return select_tokens(
-            logits,
-            torch.tensor([p.temperature for p in params], device=dev),
-            torch.tensor([p.top_k for p in params], device=dev),
-            torch.tensor([p.top_p for p in params], device=dev),
-            torch.tensor([st.seed for st in sts], device=dev),
-            torch.tensor([st.steps for st in sts], device=dev),
-            all_greedy=all(p.greedy for p in params),
+        if all(p.greedy for p in params):  # argmax: no sampling inputs to send to the device
+            return logits.argmax(dim=-1)
+        dev = logits.device
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]])
+        ints = torch.tensor(
+            [[p.top_k for p in params], [st.seed for st in sts], [st.steps for st in sts]]
         )
+        (temp, top_p), (top_k, seeds, steps) = floats.to(dev), ints.to(dev)  # one copy each
+        return select_tokens(logits, temp, top_k, top_p, seeds, steps)
 
     def _active(self, sids: list[Hashable]) -> list[Stream]:
         sts = [self.streams[s] for s in sids]
