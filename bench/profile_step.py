@@ -36,11 +36,11 @@ import torch  # noqa: E402
 from _util import capture_graph, environment, write_json  # noqa: E402
 from bench_engine import parse_args as engine_args  # noqa: E402
 from bench_engine import setup  # noqa: E402
+from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from ddserve.kernels import backend  # noqa: E402
-from ddserve.model.moe import MoE  # noqa: E402
 
 CATEGORIES = (
     "tree attention",
@@ -203,43 +203,26 @@ def summarize(rows: list[tuple[str, str, float]], floors: dict[str, float], laye
 
 
 def floors_us(model, meta, recorder: RouteRecorder, bw: float, ntok: int) -> dict[str, float]:
-    """Bytes each category must read per forward, over the copy bandwidth, in us."""
-    by: dict[str, float] = defaultdict(float)
-    for name, p in model.named_parameters():
-        n = p.numel() * p.element_size()
-        if ".mlp.experts." in name:
-            continue
-        if "embed_tokens" in name:
-            by["embedding"] += n * ntok / p.shape[0]
-        elif name.startswith("lm_head"):
-            by["lm_head"] += n
-        elif "layernorm" in name or name.endswith("norm.weight"):
-            by["RMSNorm"] += n
-        elif ".self_attn.kv_b_proj" in name:
-            by["absorb bmm"] += n
-        elif ".self_attn." in name:
-            by["attention projections"] += n
-        elif ".mlp.gate." in name:
-            by["router"] += n
-        elif ".mlp.shared_experts." in name:
-            by["shared expert"] += n
-        elif ".mlp." in name:
-            by["dense layer 0"] += n
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if moes:
-        e = moes[0].experts
-        tensors = [
-            getattr(e, n)
-            for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale", "w13", "w2")
-            if hasattr(e, n)
-        ]
-        per_expert = sum(t.numel() * t.element_size() for t in tensors) / tensors[0].shape[0]
-        distinct = recorder.distinct()  # [forward][layer]
-        by["routed MoE"] = sum(distinct[-1]) * per_expert if distinct else 0.0
-    cfg = model.cfg
+    """Bytes each category must read per forward (`engine_model`'s weight bytes by role; the
+    distinct experts routed to; every key's latent), over the copy bandwidth, in us."""
+    cfg, by = model.cfg, parameter_bytes(model)
+    kv_b = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if ".self_attn.kv_b_proj." in n)  # fmt: skip
+    distinct = recorder.distinct()  # [forward][layer]
     keys = int(meta.prefix_lens.sum()) + int(meta.q_lens.sum())
-    by["tree attention"] = keys * cfg.kv_latent_dim * 2 * cfg.num_hidden_layers
-    return {k: v / bw * 1e6 for k, v in by.items()}
+    floors = {
+        "attention projections": by["attention"] - kv_b,
+        "absorb bmm": kv_b,
+        "router": by["router"],
+        "shared expert": by["shared_expert"],
+        "dense layer 0": by["dense_mlp"],
+        "lm_head": by["lm_head"],
+        "embedding": by["embedding"] * ntok / cfg.vocab_size,
+        "RMSNorm": by["norms"],
+        "routed MoE": sum(distinct[-1]) * weight_bytes_per_layer(cfg)[1] if distinct else 0.0,
+        "tree attention": keys * cfg.kv_latent_dim * 2 * cfg.num_hidden_layers,
+    }
+    return {k: v / bw * 1e6 for k, v in floors.items()}
 
 
 def profile_forward(runner, inputs, args, recorder, bw) -> dict:

@@ -410,14 +410,14 @@ class ModelRunner:
             packed_t, hidden = self._verify(sts, draft, rows, bonus, blocks, n)
             packed = packed_t.tolist()  # the step's one D2H copy
             width = (len(packed[0]) - 1) // 2
-            rows = [p[1 : 1 + p[0]] for p in packed]  # each stream's kept verify rows
+            paths = [p[1 : 1 + p[0]] for p in packed]  # each stream's kept verify rows
             toks = [p[1 + width : 1 + width + p[0]] for p in packed]  # its committed tokens
             self.drafter.commit_many([  # before any stream changes: a failure undoes the step
                 (st.sid, [st.output[-1]] + t[:-1], None if hidden is None else hidden[i, : len(t)])
                 for i, (st, t) in enumerate(zip(sts, toks, strict=True))
             ])  # fmt: skip
         outs, kept_slots = {}, []
-        for st, block, path, tk in zip(sts, blocks, rows, toks, strict=True):
+        for st, block, path, tk in zip(sts, blocks, paths, toks, strict=True):
             kept = set(path)
             self.allocator.free([s for r, s in enumerate(block) if r not in kept])
             kept_slots.append((st, [block[r] for r in path]))

@@ -27,6 +27,17 @@ class RoutingParams:
     norm_topk_prob: bool
     scaling: float  # routed_scaling_factor
 
+    @classmethod
+    def from_config(cls, cfg) -> RoutingParams:
+        """From a `ModelConfig` (the served model and the training model alike)."""
+        return cls(
+            top_k=cfg.num_experts_per_tok,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling=cfg.routed_scaling_factor,
+        )
+
     @property
     def grouped(self) -> bool:
         return self.topk_group < self.n_group

@@ -89,13 +89,7 @@ class Router(nn.Module):
         # than casting [E, D] on every forward
         self.weight = empty_param((e, cfg.hidden_size), torch.float32, device)
         self.e_score_correction_bias = empty_param((e,), torch.float32, device)
-        self.params = RoutingParams(
-            top_k=cfg.num_experts_per_tok,
-            n_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-            norm_topk_prob=cfg.norm_topk_prob,
-            scaling=cfg.routed_scaling_factor,
-        )
+        self.params = RoutingParams.from_config(cfg)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32."""

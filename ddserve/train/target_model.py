@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddserve.config import ModelConfig
+from ddserve.kernels.router_ref import RoutingParams, route_ref
 from ddserve.model.quant import GROUP, dequantize_int4
 from ddserve.model.rope import RotaryEmbedding, apply_rope
 
@@ -141,30 +142,16 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(e))
         self.register_buffer("load", torch.zeros(e), persistent=False)
-        self.top_k, self.n_group, self.topk_group = (
-            cfg.num_experts_per_tok,
-            cfg.n_group,
-            cfg.topk_group,
-        )
-        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.params = RoutingParams.from_config(cfg)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> topk_ids [N, k] int64, topk_weights [N, k] float32."""
+        """x [N, D] -> topk_ids [N, k] int64, topk_weights [N, k] float32: the served routing
+        (`route_ref`), with gradients to the gate weight through the chosen experts' scores."""
         with torch.autocast(x.device.type, enabled=False):
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
-        choice = scores.detach() + self.e_score_correction_bias.unsqueeze(0)  # [N, E]
-        if self.topk_group < self.n_group:
-            grouped = choice.view(x.shape[0], self.n_group, -1)  # [N, G, E/G]
-            top2 = grouped.topk(2, dim=-1).values  # [N, G, 2]
-            group_scores = top2[..., 0] + top2[..., 1]  # [N, G]
-            best = group_scores.topk(self.topk_group, dim=-1).indices  # [N, topk_group]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        ids = choice.topk(self.top_k, dim=-1).indices  # [N, k]
-        weights = scores.gather(1, ids)  # [N, k]
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+            return route_ref(
+                x, self.weight.float(), self.e_score_correction_bias, self.params,
+                row_sum=lambda w: w.sum(dim=-1, keepdim=True),
+            )  # fmt: skip
 
     @torch.no_grad()
     def update_bias(self, gamma: float) -> None:

@@ -160,14 +160,10 @@ def _run_checks() -> dict[str, str]:
     return run_cases(CASES, invariant)
 
 
-def _results() -> dict[str, str]:
-    return interpreter_results(__file__)
-
-
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
 def test_kernel_in_interpreter(name: str) -> None:
     require_triton()
-    result = _results()[name]
+    result = interpreter_results(__file__)[name]
     assert result == "ok", result
 
 

@@ -71,29 +71,29 @@ def check_row_alone_equals_row_among_others(router, name: str) -> None:
 def check_config_with_k_loop_and_splits(router) -> None:
     """A configuration with several K steps per split, an unroll of 2, three splits (the last
     one partly past D) and small token tiles: still the reference's ids, still row-invariant."""
-    t, e, d, p = 11, 45, 300, RoutingParams(6, 3, 2, True, 2.0)
+    p = RoutingParams(6, 3, 2, True, 2.0)
     cfg = router.RouterConfig(block_t=4, block_e=8, block_k=16, unroll=2, split=3, warps=4)
-    x, w, b = inputs(t, e, d, seed=7, dtype=torch.float32)
-    ids, wts = router.route(x, w, b, p, cfg)
-    ref_ids, ref_wts = route_ref(x, w, b, p)
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(wts, ref_wts, atol=1e-6, rtol=1e-5)
-    for i in (0, 5, 10):
-        alone = router.route(x[i : i + 1], w, b, p, cfg)
-        assert torch.equal(alone[0][0], ids[i]) and torch.equal(alone[1][0], wts[i]), i
+    x, w, b = inputs(11, 45, 300, seed=7, dtype=torch.float32)
+    _reference_ids_and_row_invariant(router, x, w, b, p, cfg, rows=(0, 5, 10))
 
 
 def check_tensor_core_config(router) -> None:
     """The `mma` configuration (tf32x3 tensor-core products per K step; here the interpreter's
     dot, patched to a position-independent product): the reference's ids, row-invariant."""
-    t, e, d, p = 21, 45, 300, RoutingParams(6, 1, 1, True, 2.5)
+    p = RoutingParams(6, 1, 1, True, 2.5)
     cfg = router.RouterConfig(16, 16, 16, 2, 3, 4, mma=True)
-    x, w, b = inputs(t, e, d, seed=12)
+    x, w, b = inputs(21, 45, 300, seed=12)
+    _reference_ids_and_row_invariant(router, x, w, b, p, cfg, rows=(0, 17, 20))
+
+
+def _reference_ids_and_row_invariant(router, x, w, b, p, cfg, rows) -> None:
+    """With configuration `cfg`: the reference's ids, its weights to fp32 rounding, and each of
+    `rows` routed alone equal to the same row in the batch, bit for bit."""
     ids, wts = router.route(x, w, b, p, cfg)
     ref_ids, ref_wts = route_ref(x, w, b, p)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(wts, ref_wts, atol=1e-6, rtol=1e-5)
-    for i in (0, 17, 20):
+    for i in rows:
         alone = router.route(x[i : i + 1], w, b, p, cfg)
         assert torch.equal(alone[0][0], ids[i]) and torch.equal(alone[1][0], wts[i]), i
 
@@ -142,14 +142,10 @@ def _run_checks() -> dict[str, str]:
     return run_cases(CASES, router)
 
 
-def _results() -> dict[str, str]:
-    return interpreter_results(__file__)
-
-
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
 def test_kernel_in_interpreter(name: str) -> None:
     require_triton()
-    result = _results()[name]
+    result = interpreter_results(__file__)[name]
     assert result == "ok", result
 
 
