@@ -34,8 +34,8 @@ from _tree_inputs import random_meta  # noqa: E402
 
 from ddserve.kernels.tree_attn import TreeAttnMeta, tree_mla_attention_ref  # noqa: E402
 from ddserve.kernels.tree_attn_invariant import (  # noqa: E402
-    INVARIANT_CONFIG,
     _tree_attn_inv_kernel,
+    device_config,
 )
 from ddserve.kernels.tree_attn_triton import tree_mla_attention  # noqa: E402
 
@@ -220,7 +220,7 @@ def main() -> None:
     cases += [] if args.smoke else [(b, 0, pl) for b in (1, 10) for pl in decode]  # decode
     bw, peak = copy_bandwidth_gbs(), matmul_tflops()
     res = dict(env=environment(), copy_gbs=bw, bf16_tflops=peak, heads=h, latent=r, rope=p, rows=[])
-    res["invariant_config"] = INVARIANT_CONFIG
+    res["invariant_config"] = device_config(dev)
     print(f"copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
     for nb, budget, pl in cases:
         row = run_case(nb, budget, pl, h, r, p, bw, peak, args.sweep, dev,

@@ -11,12 +11,17 @@ x 4 bytes written and read back, mostly in L2), not a launch.
 
 - 16-bit weights (bf16 / fp16, tensor-core MMA, fp32 accumulation), `_dense`: BLOCK_M 64 (one
   warpgroup MMA), BLOCK_N 128 for wide weights (N >= 4096, K >= 1024), 64 for N >= 1024, else
-  32; BLOCK_K 64, 4 warps, 4 stages; K split (power of two, <= 16, K ranges >= 256) up to
-  DENSE_PROGRAMS programs at M = 1 (two per H200 SM): at decode sizes the weight streams from HBM
-  and one program per SM leaves bandwidth unused. At one K2.6 rank (tp = 8): q_a 7168->1536 and
-  kv_a 7168->576 split 8, q_b 1536->1536 4, o_proj 1024->7168 4, shared gate and up
-  7168->256 16, shared down 256->7168 1, absorbed 8 x [512->128] 2, 8 x [128->512] 1.
-  `bench/bench_dense.py --preset splitk` times these weights at other splits.
+  32; BLOCK_K 64, 4 warps, 4 stages; K split (power of two, <= 16, K ranges >= DENSE_MIN_K =
+  512) up to DENSE_PROGRAMS programs at M = 1 (two per H200 SM): at decode sizes the weight
+  streams from HBM and one program per SM leaves bandwidth unused, while at a verify forward's
+  hundreds of rows the partials of short K ranges cost more than they gain. At one K2.6 rank
+  (tp = 8): q_a 7168->1536, kv_a 7168->576 and the shared expert's gate+up 7168->512 split 8,
+  q_b 1536->1536 and o_proj 1024->7168 2, shared down 256->7168 and the absorbed matmuls 1.
+  Timed at M = 1, 10, 17, 170 on an H200 (`bench/bench_dense.py --preset splitk`,
+  bench/results/step/splitk_h200_2026-12-01.json), every split of these weights: the 512 floor
+  is within 1 us of the fastest split at one row for each of them, and at 170 rows takes o_proj
+  30 -> 23 us, the shared gate+up 21 -> 15 us and the absorbed 512->128 9.2 -> 8.0 us against
+  the 256 floor.
 - prompt chunks, 16-bit weights, `_prefill`: 128 x 128 (or 64 for N < 128) x 64 tiles, 8 warps,
   4 stages, no K split.
 - fp32 weights (float32 models on CUDA; the Router's gate has its own kernel, `router.py`),
@@ -53,6 +58,7 @@ class MMConfig(NamedTuple):
 
 
 DENSE_PROGRAMS = 264  # `_dense`'s program budget at M = 1: two per SM of an H200 (132 SMs)
+DENSE_MIN_K = 512  # `_dense`'s shortest K range per split
 
 
 def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> int:
@@ -68,7 +74,7 @@ def _split(programs: int, k: int, target: int, max_split: int, min_k: int) -> in
 
 def _dense(n: int, k: int, heads: int) -> MMConfig:
     bn = 128 if n >= 4096 and k >= 1024 else 64 if n >= 1024 else 32
-    split = _split(heads * _cdiv(n, bn), k, DENSE_PROGRAMS, 16, 256)
+    split = _split(heads * _cdiv(n, bn), k, DENSE_PROGRAMS, 16, DENSE_MIN_K)
     return MMConfig(64, bn, 64, split, 4, 4, "")
 
 

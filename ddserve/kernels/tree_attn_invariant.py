@@ -20,10 +20,15 @@ verifying 17-row trees the partials dominate. Timed on an H200 with engine-shape
 1k prefix 43 vs 71 us, 1 stream verifying 17 rows 43 vs 72 us, 10 streams decoding 44 vs 73 us,
 10 streams verifying 17 rows each 80 vs 76 us (8k prefixes: 48 vs 75, 82 vs 76, 122 vs 142,
 466 vs 440 us). SPLIT=128 is faster still at one stream (29-32 us) and 25% slower at ten.
+64-key tiles in 3 stages (`LARGE_SMEM_CONFIG`, where the shared memory allows) take fewer serial
+steps per split: the same cases, 256-key splits, 32-key tiles in 2 stages -> 64-key tiles in 3
+(bench/results/step/tree_attn_tiles_h200_2026-12-01.json): 43 -> 32, 44 -> 45, 44 -> 34,
+80 -> 73 us (8k: 48 -> 38, 81 -> 74, 120 -> 93, 463 -> 363 us).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -224,9 +229,21 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
 
-# The one configuration (SPLIT: keys per split, a multiple of BN): a row's arithmetic then depends
-# on nothing but its query and its keys.
+# The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
+# then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
+# shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
 INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
+LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
+LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
+
+
+@functools.lru_cache(maxsize=16)
+def device_config(device: torch.device) -> dict:
+    """The configuration every call on `device` runs (a function of the device only)."""
+    if device.type != "cuda":
+        return INVARIANT_CONFIG
+    smem = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return LARGE_SMEM_CONFIG if smem >= LARGE_SMEM_BYTES else INVARIANT_CONFIG
 
 
 def tree_mla_attention_invariant(
@@ -238,13 +255,13 @@ def tree_mla_attention_invariant(
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
-    `config` overrides keys of INVARIANT_CONFIG (tests use small tiles); rows are only comparable
-    between calls with the same configuration."""
+    `config` overrides keys of the device's configuration (`device_config`; tests use small
+    tiles); rows are only comparable between calls with the same configuration."""
     t, h, r = q_latent.shape
     unknown = set(config or {}) - set(INVARIANT_CONFIG)
     if unknown:
         raise ValueError(f"invariant tree attention config: unknown keys {sorted(unknown)}")
-    cfg = {**INVARIANT_CONFIG, **(config or {})}
+    cfg = {**device_config(q_latent.device), **(config or {})}
     assert cfg["SPLIT"] % cfg["BN"] == 0
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
     tiles = triton.cdiv(q_max * h, cfg["BM"])
