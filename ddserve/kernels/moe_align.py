@@ -93,12 +93,12 @@ def _place_kernel(ids_ptr, counts_ptr, scratch_ptr, pairs_ptr, bexp_ptr, num_pai
     blocks = (total + BM - 1) // BM  # [E2]
     base = (tl.cumsum(blocks, 0) - blocks) * BM + before  # [E2] row of this chunk's first pair
     j = tl.arange(0, CH)
-    rank = tl.zeros([CH], tl.int32)  # [CH] pairs of the same expert earlier in the chunk
-    for jb in tl.static_range(0, CH, COLS):  # [CH, COLS] comparisons at a time (registers)
+    acc = tl.zeros([CH, COLS], tl.int32)  # [CH, COLS] COLS columns at a time (registers)
+    for jb in tl.static_range(0, CH, COLS):
         jc = jb + tl.arange(0, COLS)  # [COLS]
         ec = tl.load(ids_ptr + c * CH + jc, mask=c * CH + jc < num_pairs, other=-1).to(tl.int32)
-        same = (ec[None, :] == e[:, None]) & (jc[None, :] < j[:, None])  # [CH, COLS]
-        rank += tl.sum(same.to(tl.int32), 1)
+        acc += ((ec[None, :] == e[:, None]) & (jc[None, :] < j[:, None])).to(tl.int32)
+    rank = tl.sum(acc, 1)  # [CH] pairs of the same expert earlier in the chunk
     if GATHER:
         row = tl.gather(base, e, 0) + rank  # [CH] destination row of pair i
     else:  # base through this program's scratch row
@@ -180,7 +180,7 @@ def align_by_expert_triton(
     if p == 0:
         return sorted_pairs, block_expert
     ch = chunk or chunk_size(p)
-    assert ch >= 16 and ch == triton.next_power_of_2(ch), ch
+    assert 16 <= ch <= 1024 and ch == triton.next_power_of_2(ch), ch
     nc = triton.cdiv(p, ch)
     assert nc <= 64, f"{nc} chunks of {ch} pairs: at most 64 (the counts tile in registers)"
     e2 = max(32, triton.next_power_of_2(num_experts))  # histogram bins: a power of two >= 32
@@ -190,7 +190,7 @@ def align_by_expert_triton(
         _count_kernel[(nc,)](flat, counts, sorted_pairs, block_expert, *sizes, CH=ch, E2=e2,
                              FILL=_FILL, num_warps=max(1, min(8, ch // 32)))  # fmt: skip
     nc2 = triton.next_power_of_2(nc)
-    warps = max(1, min(8, ch // 16)) if nc == 1 else 8 if nc2 * e2 <= 16384 else 16
+    warps = max(4, min(8, ch // 16)) if nc == 1 else 8 if nc2 * e2 <= 16384 else 16
     meta = dict(BM=bm, CH=ch, E2=e2, NC2=nc2, FILL=_FILL, ONE=nc == 1, COLS=min(ch, _COLS),
                 num_warps=num_warps or warps)  # fmt: skip
 

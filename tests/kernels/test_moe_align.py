@@ -151,6 +151,16 @@ def test_skewed_routing_matches_torch(records, name, path):
     assert rec["bad"] == []
 
 
+def test_one_launch_up_to_one_chunk_and_at_most_32_chunks():
+    import triton
+
+    from ddserve.kernels.moe_align import MAX_PAIRS, ONE_CHUNK, chunk_size
+
+    chunks = {p: triton.cdiv(p, chunk_size(p)) for p in range(1, MAX_PAIRS + 1)}
+    assert [p for p, n in chunks.items() if (n == 1) != (p <= ONE_CHUNK)] == []
+    assert max(chunks.values()) == 32
+
+
 def test_too_many_pairs_is_refused():
     import torch
 
