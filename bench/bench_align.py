@@ -8,6 +8,7 @@ time at every chunk size (64 .. 256; one chunk = one launch) and num_warps of `_
 
     python3 bench/bench_align.py --out $OUT/align.json
     python3 bench/bench_align.py --smoke      # CPU, Triton interpreter, tiny
+    python3 bench/bench_align.py --aot        # offline sm_90a compile: registers, spills, barriers
 """
 
 from __future__ import annotations
@@ -77,12 +78,59 @@ def _case(p: int, k: int, e: int, bm: int, gen, sweep: bool) -> dict:
     return rec
 
 
+def aot_report() -> None:
+    """The counting sort's kernels as the launcher configures them for each P (bm 16, E = 384,
+    tl.gather path), compiled for sm_90a without a GPU: registers and spill bytes (ptxas -v),
+    barriers (bar.sync in the PTX). Needs no GPU."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddserve.kernels import moe_align
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    sizes = dict(num_pairs="i32", num_experts="i32", num_blocks="i32", num_rows="i32")
+    count_sig = dict(ids_ptr="*i64", counts_ptr="*i16", pairs_ptr="*i64", bexp_ptr="*i64", **sizes)
+    place_sig = dict(ids_ptr="*i64", counts_ptr="*i16", scratch_ptr="*i16", pairs_ptr="*i64",
+                     bexp_ptr="*i64", **sizes, num_chunks="i32")  # fmt: skip
+
+    def report(kernel, sig: dict, meta: dict) -> str:
+        consts = {k: v for k, v in meta.items() if k != "num_warps"}
+        src = ASTSource(kernel, dict(sig, **dict.fromkeys(consts, "constexpr")), constexprs=consts)
+        opts = {"num_warps": meta["num_warps"]}
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(c.asm["ptx"])
+            f.flush()
+            cmd = [ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull]
+            log = subprocess.run(cmd, capture_output=True, text=True).stderr
+        regs = (re.findall(r"Used (\d+) registers", log) or ["?"])[0]
+        spill = (re.findall(r"(\d+) bytes spill stores", log) or ["?"])[0]
+        return (f"warps {meta['num_warps']:2d} registers {regs:>3s} spill stores {spill} B "
+                f"bar.sync {c.asm['ptx'].count('bar.sync')}")  # fmt: skip
+
+    for p in PAIRS:
+        nc, _, count, place = moe_align.launch_plan(p, 384, 16)
+        line = f"P={p:5d} chunk {place['CH']:3d} x {nc:2d}  place: "
+        line += report(moe_align._place_kernel, place_sig, dict(place, GATHER=True))
+        if nc > 1:
+            line += "  count: " + report(moe_align._count_kernel, count_sig, count)
+        print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for the sweeps")
+    ap.add_argument("--aot", action="store_true", help="only compile the kernels for sm_90a")
     args = ap.parse_args()
+    if args.aot:
+        return aot_report()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before ddserve's kernels are imported
     import torch

@@ -153,6 +153,23 @@ def chunk_size(num_pairs: int) -> int:
     return 128 if num_pairs <= 4096 else 256
 
 
+def launch_plan(p: int, num_experts: int, bm: int, chunk: int | None = None,
+                num_warps: int | None = None) -> tuple[int, int, dict, dict]:  # fmt: skip
+    """(chunks NC, histogram bins E2, `_count_kernel`'s constexprs and warps, `_place_kernel`'s
+    (less GATHER)) for P pairs; `_count_kernel` runs only when NC > 1."""
+    ch = chunk or chunk_size(p)
+    assert 16 <= ch <= 1024 and ch == triton.next_power_of_2(ch), ch
+    nc = triton.cdiv(p, ch)
+    assert nc <= 64, f"{nc} chunks of {ch} pairs: at most 64 (the counts tile in registers)"
+    e2 = max(32, triton.next_power_of_2(num_experts))  # histogram bins: a power of two >= 32
+    nc2 = triton.next_power_of_2(nc)
+    warps = max(4, min(8, ch // 16)) if nc == 1 else 8 if nc2 * e2 <= 16384 else 16
+    count = dict(CH=ch, E2=e2, FILL=_FILL, num_warps=max(1, min(8, ch // 32)))
+    place = dict(BM=bm, CH=ch, E2=e2, NC2=nc2, FILL=_FILL, ONE=nc == 1, COLS=min(ch, _COLS),
+                 num_warps=num_warps or warps)  # fmt: skip
+    return nc, e2, count, place
+
+
 def align_by_expert_triton(
     topk_ids: torch.Tensor,  # [T, k] int
     num_experts: int,
@@ -164,9 +181,9 @@ def align_by_expert_triton(
     """`align_by_expert`'s outputs (equal to them): sorted_pairs [NB * bm] int64 (pair index, or
     P = T * k for padding) and block_expert [NB] int64 (expert, or num_experts past the last used
     block), in one launch up to ONE_CHUNK pairs, two past that. Needs P <= 8192, E <= 1024 and
-    bm a power of two (the MoE uses 8 .. 64). `num_warps`, `gather` (base rows by tl.gather, else
-    through memory) and `chunk` (pairs per program, a power of two >= 16; one chunk = one launch)
-    override the defaults (bench, tests)."""
+    bm a power of two (the MoE uses 8 .. 64). `num_warps` (of `_place_kernel`), `gather` (base
+    rows by tl.gather, else through memory) and `chunk` (pairs per program, a power of two in
+    16 .. 1024; one chunk = one launch) override the defaults (bench, tests)."""
     global GATHER_ERROR
     flat = topk_ids.reshape(-1)  # [P]
     p = flat.numel()
@@ -179,25 +196,16 @@ def align_by_expert_triton(
     block_expert = torch.empty(nb, dtype=torch.int64, device=dev)  # [NB]
     if p == 0:
         return sorted_pairs, block_expert
-    ch = chunk or chunk_size(p)
-    assert 16 <= ch <= 1024 and ch == triton.next_power_of_2(ch), ch
-    nc = triton.cdiv(p, ch)
-    assert nc <= 64, f"{nc} chunks of {ch} pairs: at most 64 (the counts tile in registers)"
-    e2 = max(32, triton.next_power_of_2(num_experts))  # histogram bins: a power of two >= 32
+    nc, e2, count_meta, place_meta = launch_plan(p, num_experts, bm, chunk, num_warps)
     sizes = (p, num_experts, nb, nb * bm)
     counts = torch.empty(nc, num_experts, dtype=torch.int16, device=dev)  # [NC, E]
     if nc > 1:
-        _count_kernel[(nc,)](flat, counts, sorted_pairs, block_expert, *sizes, CH=ch, E2=e2,
-                             FILL=_FILL, num_warps=max(1, min(8, ch // 32)))  # fmt: skip
-    nc2 = triton.next_power_of_2(nc)
-    warps = max(4, min(8, ch // 16)) if nc == 1 else 8 if nc2 * e2 <= 16384 else 16
-    meta = dict(BM=bm, CH=ch, E2=e2, NC2=nc2, FILL=_FILL, ONE=nc == 1, COLS=min(ch, _COLS),
-                num_warps=num_warps or warps)  # fmt: skip
+        _count_kernel[(nc,)](flat, counts, sorted_pairs, block_expert, *sizes, **count_meta)
 
     def place(use_gather: bool) -> None:
         scratch = counts if use_gather else torch.empty(nc, e2, dtype=torch.int32, device=dev)
         _place_kernel[(nc,)](flat, counts, scratch, sorted_pairs, block_expert, *sizes, nc,
-                             **meta, GATHER=use_gather)  # fmt: skip
+                             **place_meta, GATHER=use_gather)  # fmt: skip
 
     if gather is None and GATHER_ERROR is None:
         try:
