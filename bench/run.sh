@@ -65,7 +65,7 @@ case "$MODE" in
     ;;
   moe)
     step moe 300 python3 bench/bench_moe.py --breakdown --out "$OUT/moe.json" "$@"
-    step align 90 python3 bench/bench_align.py --out "$OUT/align.json"
+    step align 300 python3 bench/bench_align.py --budget 150 --out "$OUT/align.json"
     ;;
   attention)
     step tree_attn 300 python3 bench/bench_tree_attn.py --prefixes 1024,8192,32768 \

@@ -25,7 +25,7 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   256), `_combine_kernel` merging the splits when there is more than one
 - routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
   kernel `moe_gluon`, experts repacked in place by `moe_w4_repack`, expert alignment
-  `moe_align.align_by_expert_triton` up to 2048 pairs and its torch version past that, fixed-order
+  `moe_align.align_by_expert_triton` (its torch version past 8192 pairs), fixed-order
   sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from then on.
   Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
   from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).

@@ -1,21 +1,23 @@
-"""Expert alignment for the grouped MoE GEMM: `align_by_expert` (torch ops) and its one-launch
-Triton version `align_by_expert_triton` (both without host sync, graph capturable).
+"""Expert alignment for the grouped MoE GEMM: `align_by_expert` (torch ops, the reference) and
+its Triton counting sort `align_by_expert_triton` (both without host sync, graph capturable).
 
-Both give the same outputs: the (token, slot) pairs p = t * k + j are grouped by expert, in
-ascending pair order inside an expert, into blocks of `bm` rows; every used expert starts a new
-block.
+Both give the same outputs, bit for bit: the (token, slot) pairs p = t * k + j are grouped by
+expert, in ascending pair order inside an expert, into blocks of `bm` rows; every used expert
+starts a new block. No atomics: the order is fixed by the pair indices.
 
-One program does it all:
-1. key = expert * P2 + pair (P2 = next power of two >= P, padding lanes get expert = E), sorted
-   with `tl.sort`: the sorted keys list the pairs grouped by expert, stable.
-2. For sorted position i: rank = i - (start of its expert's run) (a running max of run starts);
-   a run's padding to a multiple of bm, (bm - 1) - rank % bm, is known at its last element; the
-   row of i is i + (padding of the runs before it) (an exclusive cumsum). The run boundaries
-   need each sorted position's neighbours: `tl.gather` (default), or a store / barrier / load
-   through the output buffer (the fallback, used from then on if the gather fails to compile).
-3. sorted_pairs is pre-filled with P and block_expert with E, then (after a barrier) the pairs are
-   scattered to their rows and each block's first row writes its expert.
-The MoE kernels call the Triton version up to FAST_PAIRS pairs and the torch version past that.
+The Triton version splits the P pairs into chunks of CH (one program each):
+1. `_count_kernel`: each chunk's per-expert histogram -> counts [NC, E] int16; the programs also
+   pre-fill sorted_pairs with P and block_expert with E (a disjoint slice each).
+2. `_place_kernel`: each program sums the counts of all chunks (per-expert totals) and of the
+   chunks before its own; an exclusive cumsum of the totals' padded block counts gives each
+   expert's first block; a pair's row is
+       (first block of its expert) * bm + (its expert's pairs in earlier chunks)
+       + (its expert's pairs earlier in its own chunk, from a [CH, CH] comparison),
+   and the first row of each block writes the block's expert. The base row per expert is read
+   for each pair with `tl.gather` (default), or through a scratch buffer (the fallback, used from
+   then on if the gather fails to compile).
+With one chunk (P <= ONE_CHUNK) `_place_kernel` alone does it all in one launch: histogram, fill,
+barrier, scatter.
 """
 
 from __future__ import annotations
@@ -29,58 +31,85 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 MAX_PAIRS = 8192  # the MoE chunks its calls at 1024 tokens x top-8
-# The MoE uses this kernel up to FAST_PAIRS pairs and the torch ops past it: its one-CTA sort
-# grows faster than they do (H200, E = 384, CUDA graphs: 1.4-11 us up to 768 pairs, 23 us at
-# 1536 vs torch's 86 us, 93 us at 3072 vs 91 us, 229 us at 6144 vs 132 us;
-# bench/results/moe_v3_round2_2026-11-30.json, kernel breakdown of the v3 rows).
-FAST_PAIRS = 2048
+ONE_CHUNK = 256  # up to this many pairs: one program, one launch
 _FILL = 1024  # rows pre-filled per loop step
+_COLS = 16  # rank comparison columns per loop step
 GATHER_ERROR: str | None = None  # set when the tl.gather kernel failed to compile on this device
 
 
 @triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-# the sizes are not specialized (divisible by 16, == 1): one compile per (P2, BM) bucket
-@triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_blocks", "num_rows"])
-def _align_kernel(ids_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_blocks, num_rows,
-                  BM: tl.constexpr, P2: tl.constexpr, FILL: tl.constexpr,
-                  GATHER: tl.constexpr):  # fmt: skip
-    i = tl.arange(0, P2)  # [P2] pair index, then sorted position
+def _chunk_ids(ids_ptr, c, num_pairs, CH: tl.constexpr):
+    """(pair index [CH], valid [CH], expert [CH] int32, 0 on padding lanes) of chunk c."""
+    i = c * CH + tl.arange(0, CH)
     valid = i < num_pairs
     e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
-    e = tl.where(valid, e, num_experts)  # padding lanes sort last, as one run
-    key = tl.sort(e * P2 + i)  # [P2] grouped by expert, pair ascending inside
-    se = key // P2  # [P2] expert of sorted position i
-    sp = key % P2  # [P2] its pair
-    if GATHER:  # neighbours in registers / shared memory
-        prev = tl.gather(se, tl.maximum(i - 1, 0), 0)
-        nxt = tl.gather(se, tl.minimum(i + 1, P2 - 1), 0)
-    else:  # neighbours through the output buffer (>= P rows), before its pre-fill
-        tl.store(pairs_ptr + i, se.to(tl.int64), mask=valid)
-        tl.debug_barrier()
-        prev = tl.load(pairs_ptr + i - 1, mask=valid & (i > 0), other=-1).to(tl.int32)
-        nxt = tl.load(pairs_ptr + i + 1, mask=i + 1 < num_pairs, other=num_experts).to(tl.int32)
-        tl.debug_barrier()
-    start = (i == 0) | (se != prev)
-    end = (i == P2 - 1) | (se != nxt)
-    run_start = tl.associative_scan(tl.where(start, i, 0), 0, _max)  # [P2]
-    rank = i - run_start
-    pad = tl.where(end & valid, (BM - 1) - rank % BM, 0)  # [P2] run padding, at its last element
-    row = i + tl.cumsum(pad, 0) - pad  # [P2] destination row of sorted position i
+    return i, valid, e
 
-    # pre-fill: padding rows hold P, blocks past the last used one hold E
-    r0 = 0
-    while r0 < num_rows:  # (a while loop: the interpreter cannot run a runtime range bound)
+
+@triton.jit
+def _fill(pairs_ptr, bexp_ptr, lo, hi, num_pairs, num_experts, num_blocks, FILL: tl.constexpr):
+    """sorted_pairs[lo:hi] = P and block_expert[lo:min(hi, NB)] = E."""
+    r0 = lo
+    while r0 < hi:  # (a while loop: the interpreter cannot run a runtime range bound)
         r = r0 + tl.arange(0, FILL)  # [FILL]
-        tl.store(pairs_ptr + r, tl.zeros([FILL], tl.int64) + num_pairs, mask=r < num_rows)
-        tl.store(bexp_ptr + r, tl.zeros([FILL], tl.int64) + num_experts, mask=r < num_blocks)
+        tl.store(pairs_ptr + r, tl.zeros([FILL], tl.int64) + num_pairs, mask=r < hi)
+        tl.store(bexp_ptr + r, tl.zeros([FILL], tl.int64) + num_experts,
+                 mask=(r < hi) & (r < num_blocks))  # fmt: skip
         r0 += FILL
-    tl.debug_barrier()  # the scatter below must land after the pre-fill
-    tl.store(pairs_ptr + row, sp.to(tl.int64), mask=valid)
-    tl.store(bexp_ptr + row // BM, se.to(tl.int64), mask=valid & (row % BM == 0))
+
+
+# the sizes are not specialized (divisible by 16, == 1): one compile per (CH, E2) bucket
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_blocks", "num_rows"])
+def _count_kernel(ids_ptr, counts_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_blocks,
+                  num_rows, CH: tl.constexpr, E2: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    c = tl.program_id(0)
+    i, valid, e = _chunk_ids(ids_ptr, c, num_pairs, CH)
+    hist = tl.histogram(e, E2, mask=valid)  # [E2] pairs of this chunk per expert
+    x = tl.arange(0, E2)
+    tl.store(counts_ptr + c * num_experts + x, hist.to(tl.int16), mask=x < num_experts)
+    share = tl.cdiv(num_rows, tl.num_programs(0))  # rows pre-filled per program
+    lo = c * share
+    _fill(pairs_ptr, bexp_ptr, lo, tl.minimum(lo + share, num_rows), num_pairs, num_experts,
+          num_blocks, FILL)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_blocks", "num_rows", "num_chunks"])
+def _place_kernel(ids_ptr, counts_ptr, scratch_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts,
+                  num_blocks, num_rows, num_chunks, BM: tl.constexpr, CH: tl.constexpr,
+                  E2: tl.constexpr, NC2: tl.constexpr, FILL: tl.constexpr, ONE: tl.constexpr,
+                  COLS: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+    c = tl.program_id(0)
+    i, valid, e = _chunk_ids(ids_ptr, c, num_pairs, CH)
+    x = tl.arange(0, E2)  # [E2] expert
+    if ONE:  # the only chunk: its histogram is the totals
+        total = tl.histogram(e, E2, mask=valid)  # [E2]
+        before = tl.zeros([E2], tl.int32)
+    else:
+        r = tl.arange(0, NC2)[:, None]  # [NC2, 1] chunk
+        m = (r < num_chunks) & (x[None, :] < num_experts)
+        cnt = tl.load(counts_ptr + r * num_experts + x[None, :], mask=m, other=0).to(tl.int32)
+        total = tl.sum(cnt, 0)  # [E2] pairs per expert
+        before = tl.sum(tl.where(r < c, cnt, 0), 0)  # [E2] in the chunks before this one
+    blocks = (total + BM - 1) // BM  # [E2]
+    base = (tl.cumsum(blocks, 0) - blocks) * BM + before  # [E2] row of this chunk's first pair
+    j = tl.arange(0, CH)
+    acc = tl.zeros([CH, COLS], tl.int32)  # [CH, COLS] COLS columns at a time (registers)
+    for jb in tl.static_range(0, CH, COLS):
+        jc = jb + tl.arange(0, COLS)  # [COLS]
+        ec = tl.load(ids_ptr + c * CH + jc, mask=c * CH + jc < num_pairs, other=-1).to(tl.int32)
+        acc += ((ec[None, :] == e[:, None]) & (jc[None, :] < j[:, None])).to(tl.int32)
+    rank = tl.sum(acc, 1)  # [CH] pairs of the same expert earlier in the chunk
+    if GATHER:
+        row = tl.gather(base, e, 0) + rank  # [CH] destination row of pair i
+    else:  # base through this program's scratch row
+        tl.store(scratch_ptr + c * E2 + x, base)
+        tl.debug_barrier()
+        row = tl.load(scratch_ptr + c * E2 + e, mask=valid, other=0) + rank
+    if ONE:  # pre-fill, then the scatter lands after it
+        _fill(pairs_ptr, bexp_ptr, 0, num_rows, num_pairs, num_experts, num_blocks, FILL)
+        tl.debug_barrier()
+    tl.store(pairs_ptr + row, i.to(tl.int64), mask=valid)
+    tl.store(bexp_ptr + row // BM, e.to(tl.int64), mask=valid & (row % BM == 0))
 
 
 def align_by_expert(
@@ -116,8 +145,29 @@ def num_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (bm - 1), bm)
 
 
-def _num_warps(p2: int) -> int:
-    return 1 if p2 <= 64 else 2 if p2 <= 256 else 4 if p2 <= 1024 else 8 if p2 <= 4096 else 16
+def chunk_size(num_pairs: int) -> int:
+    """Pairs per program: all of them up to ONE_CHUNK (one launch), else 128 up to 4096 pairs and
+    256 past that (at most 32 chunks; the [CH, CH] rank comparison stays small)."""
+    if num_pairs <= ONE_CHUNK:
+        return max(16, triton.next_power_of_2(num_pairs))
+    return 128 if num_pairs <= 4096 else 256
+
+
+def launch_plan(p: int, num_experts: int, bm: int, chunk: int | None = None,
+                num_warps: int | None = None) -> tuple[int, int, dict, dict]:  # fmt: skip
+    """(chunks NC, histogram bins E2, `_count_kernel`'s constexprs and warps, `_place_kernel`'s
+    (less GATHER)) for P pairs; `_count_kernel` runs only when NC > 1."""
+    ch = chunk or chunk_size(p)
+    assert 16 <= ch <= 1024 and ch == triton.next_power_of_2(ch), ch
+    nc = triton.cdiv(p, ch)
+    assert nc <= 64, f"{nc} chunks of {ch} pairs: at most 64 (the counts tile in registers)"
+    e2 = max(32, triton.next_power_of_2(num_experts))  # histogram bins: a power of two >= 32
+    nc2 = triton.next_power_of_2(nc)
+    warps = max(4, min(8, ch // 16)) if nc == 1 else 8 if nc2 * e2 <= 16384 else 16
+    count = dict(CH=ch, E2=e2, FILL=_FILL, num_warps=max(1, min(8, ch // 32)))
+    place = dict(BM=bm, CH=ch, E2=e2, NC2=nc2, FILL=_FILL, ONE=nc == 1, COLS=min(ch, _COLS),
+                 num_warps=num_warps or warps)  # fmt: skip
+    return nc, e2, count, place
 
 
 def align_by_expert_triton(
@@ -126,36 +176,45 @@ def align_by_expert_triton(
     bm: int,
     num_warps: int | None = None,
     gather: bool | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_by_expert`'s outputs in one launch: sorted_pairs [NB * bm] int64 (pair index, or
+    """`align_by_expert`'s outputs (equal to them): sorted_pairs [NB * bm] int64 (pair index, or
     P = T * k for padding) and block_expert [NB] int64 (expert, or num_experts past the last used
-    block). Needs P <= 8192 and bm a power of two (the MoE uses 8 .. 64). `num_warps` and `gather`
-    (neighbours by tl.gather, else through memory) override the defaults (bench, tests)."""
+    block), in one launch up to ONE_CHUNK pairs, two past that. Needs P <= 8192, E <= 1024 and
+    bm a power of two (the MoE uses 8 .. 64). `num_warps` (of `_place_kernel`), `gather` (base
+    rows by tl.gather, else through memory) and `chunk` (pairs per program, a power of two in
+    16 .. 1024; one chunk = one launch) override the defaults (bench, tests)."""
     global GATHER_ERROR
     flat = topk_ids.reshape(-1)  # [P]
     p = flat.numel()
     assert p <= MAX_PAIRS, f"align_by_expert_triton: {p} pairs > {MAX_PAIRS} (chunk the tokens)"
-    assert bm in (1, 2, 4, 8, 16, 32, 64, 128, 256), bm  # a power of two (tl.arange)
+    assert bm in (1, 2, 4, 8, 16, 32, 64, 128, 256), bm  # a power of two
+    assert 0 < num_experts <= 1024, num_experts
     nb = num_blocks(p, num_experts, bm)
     dev = flat.device
     sorted_pairs = torch.empty(nb * bm, dtype=torch.int64, device=dev)  # [NB * bm]
     block_expert = torch.empty(nb, dtype=torch.int64, device=dev)  # [NB]
     if p == 0:
         return sorted_pairs, block_expert
-    p2 = max(16, triton.next_power_of_2(p))
-    assert 0 < num_experts and (num_experts + 1) * p2 < 2**31, num_experts  # int32 sort keys
-    args = (flat, sorted_pairs, block_expert, p, num_experts, nb, nb * bm)
-    meta = dict(BM=bm, P2=p2, FILL=_FILL, num_warps=num_warps or _num_warps(p2))
+    nc, e2, count_meta, place_meta = launch_plan(p, num_experts, bm, chunk, num_warps)
+    sizes = (p, num_experts, nb, nb * bm)
+    counts = torch.empty(nc, num_experts, dtype=torch.int16, device=dev)  # [NC, E]
+    if nc > 1:
+        _count_kernel[(nc,)](flat, counts, sorted_pairs, block_expert, *sizes, **count_meta)
+
+    def place(use_gather: bool) -> None:
+        scratch = counts if use_gather else torch.empty(nc, e2, dtype=torch.int32, device=dev)
+        _place_kernel[(nc,)](flat, counts, scratch, sorted_pairs, block_expert, *sizes, nc,
+                             **place_meta, GATHER=use_gather)  # fmt: skip
+
     if gather is None and GATHER_ERROR is None:
         try:
-            _align_kernel[(1,)](*args, **meta, GATHER=True)
+            place(True)
             return sorted_pairs, block_expert
         except Exception as exc:  # noqa: BLE001 - compile failure: the memory path from now on
             if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise
             GATHER_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
-            log.warning(
-                "moe_align: tl.gather kernel failed, neighbours via memory: %s", GATHER_ERROR
-            )
-    _align_kernel[(1,)](*args, **meta, GATHER=bool(gather))
+            log.warning("moe_align: tl.gather failed, base rows via memory: %s", GATHER_ERROR)
+    place(bool(gather))
     return sorted_pairs, block_expert

@@ -2,8 +2,8 @@
 sums. Reads the compressed-tensors INT4 layout as shipped (no repack) and dense bf16 experts;
 the MoE runs it where v3 does not apply (dense experts, non-bf16 scales) or failed.
 
-Launches after the expert alignment (`moe_align`: one Triton launch up to 2048 pairs, else the
-torch ops of `align_by_expert`; no host sync):
+Launches after the expert alignment (`moe_align`: the Triton counting sort, one or two launches,
+up to 8192 pairs, else the torch ops of `align_by_expert`; no host sync):
 
 1. up:      part[s, r] = x_t @ W13_e[:, K-split s]^T (fp32), SPLIT programs per (block, columns),
             each walking K / SPLIT columns (more loads in flight when few experts are touched).
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.kernels.moe_align import FAST_PAIRS, align_by_expert, align_by_expert_triton
+from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert, align_by_expert_triton
 from ddserve.kernels.moe_common import may_fall_back
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
@@ -225,8 +225,8 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     p = t * topk
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     bm, split, kw1 = cfg["BM"], cfg["SPLIT"], cfg["KW1"]
-    one_launch = (x.is_cuda or interp) and p <= FAST_PAIRS  # else the torch ops
-    align = align_by_expert_triton if one_launch else align_by_expert
+    on_triton = (x.is_cuda or interp) and p <= MAX_PAIRS  # else the torch ops
+    align = align_by_expert_triton if on_triton else align_by_expert
     sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
     nb = block_expert.numel()
     xin = x.to(torch.bfloat16).contiguous()  # [T, H]

@@ -18,7 +18,7 @@ import logging
 import torch
 import triton
 
-from ddserve.kernels.moe_align import FAST_PAIRS, align_by_expert, align_by_expert_triton
+from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert, align_by_expert_triton
 from ddserve.kernels.moe_common import num_sms
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
 from ddserve.kernels.moe_ref import ExpertWeights
@@ -209,7 +209,7 @@ def fused_moe_v3(
     num_experts = w13.words.shape[0]
     bm = pick_bm(p, num_experts) if cfg["BM"] == "auto" else cfg["BM"]
     cfg["BM"] = bm
-    align = align_by_expert_triton if p <= FAST_PAIRS else align_by_expert
+    align = align_by_expert_triton if p <= MAX_PAIRS else align_by_expert  # (top-k > 8)
     sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
     nb = block_expert.numel()
     xin = x.to(torch.bfloat16).contiguous()  # [T, H]
