@@ -49,8 +49,9 @@ PRESETS = {
                   split_steps=1, depth=4, prefill_chunk=32, copy_mib=8),
 }  # fmt: skip
 INIT = (
-    "random, on the device: matmul weights N(0, 1/fan_in); INT4 experts uniform nibbles with "
-    "group scales U(0.5, 1.5)/(sqrt(fan_in) std(int4)); router bias N(0, 0.01^2); norms 1; "
+    "random, on the device: matmul weights N(0, 1/fan_in); INT4 expert values uniform in "
+    "[-7, 7] (zero mean) with group scales U(0.5, 1.5)/(sqrt(fan_in) std(int4)); router bias "
+    "N(0, 0.01^2); norms 1; "
     f"embedding N(0, {EMBED_RMS:g}^2) and lm_head row perm(t) = unit embedding of t x "
     f"{LM_HEAD_GAIN:g}/sqrt(hidden), so greedy decoding is a robust token permutation "
     "(oracle stays in sync under bf16) while routing stays random per token"

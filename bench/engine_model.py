@@ -12,8 +12,14 @@ Weights are random (no checkpoint), scaled by 1/sqrt(fan_in) so bf16 activations
 The embedding carries a strong token signal (RMS `EMBED_RMS`) and lm_head row v is the unit
 embedding of token perm(v), so the greedy next token is a robust function of the current token:
 bf16 differences between a q_len-1 AR forward and a batched tree-verify forward do not flip the
-argmax, and an oracle drafter fed the AR continuation stays in sync. Routing stays random
-(random router rows per layer), so every distinct token picks its own experts.
+argmax, and an oracle drafter fed the AR continuation stays in sync. Routing is random (random
+router rows per layer) and every weight has zero mean, so the residual stream stays dominated by
+the token and every distinct token picks its own experts: C streams (each on its own path
+through perm) and their trees touch about as many distinct experts per layer as independent
+uniform routing would. The INT4 values are uniform in [-7, 7]: with [-8, 7] (mean -0.5) every
+expert's output would share a direction (a bias of -0.5 x scale per weight), which K2's widths
+amplify ~1.2x per layer; over 60 layers it outweighs the token, the greedy token stops
+depending on it, and the streams fall into one shared cycle of tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from ddserve.model.tiny import INT4_QUANT_CONFIG
 
 EMBED_RMS = 100.0  # token signal in the residual stream (61 random layers add RMS ~10-15)
 LM_HEAD_GAIN = 0.2  # matched logit ~ GAIN * sqrt(hidden); others ~ N(0, GAIN^2)
-INT4_STD = math.sqrt((16**2 - 1) / 12)  # std of a uniform int4 value in [-8, 7]
+INT4_STD = math.sqrt((15**2 - 1) / 12)  # std of an int4 value uniform in [-7, 7]
 
 # Kimi K2.x (K2-Instruct-0905 / K2-Thinking / K2.6 text_config): 61 layers, 64 heads,
 # 384 experts top-8, n_group 1, first layer dense, YaRN factor 64 over 4096 positions.
@@ -111,9 +117,23 @@ def estimate_weight_bytes(cfg: ModelConfig) -> int:
     return sum(p.numel() * p.element_size() for p in shell.parameters())
 
 
+def _fill_int4_(p: torch.Tensor, gen: torch.Generator) -> None:
+    """Every nibble n uniform in [1, 15]: the value n - 8 is uniform in [-7, 7], zero mean, as
+    symmetric quantization (amax / 7) gives. Uniform nibbles in [0, 15] would have mean -0.5 (a
+    -0.5 x scale bias on every weight), which K2 widths amplify layer over layer (see the module
+    docstring)."""
+    nib = torch.empty_like(p)
+    p.zero_()
+    for k in range(PACK):
+        nib.random_(1, 16, generator=gen)
+        if k == PACK - 1:  # the top nibble as a two's-complement int32: n << 28 - (2^32 if n > 7)
+            nib = torch.where(nib > 7, nib - 16, nib)
+        p.bitwise_or_(nib * (1 << (4 * k)))
+
+
 def _fill_(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
-    if p.dtype == torch.int32:  # packed INT4: every nibble uniform in [0, 15]
-        p.random_(-(2**31), 2**31, generator=gen)
+    if p.dtype == torch.int32:  # packed INT4
+        _fill_int4_(p, gen)
     elif name.endswith("_scale"):  # INT4 group scales: 1/sqrt(fan_in) / std(q), jittered
         fan_in = p.shape[-1] * GROUP
         p.uniform_(0.5, 1.5, generator=gen).mul_(1.0 / (math.sqrt(fan_in) * INT4_STD))

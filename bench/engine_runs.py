@@ -8,8 +8,6 @@ continuation that the oracle drafter proposes in the DDTree runs.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,20 +29,11 @@ class DeviceOracle(OracleDrafter):
     """OracleDrafter's proposals (same guesses, `corrupt` rule and `margin`) with the N(0, noise)
     logits drawn on the target's device: the parent draws them on the host, and its randn of
     [B, D, V] plus a 4*B*D*V-byte host-to-device copy would swamp the draft stage of a real
-    drafter. One [B, D] tensor of guesses is copied per step."""
+    drafter. One [B, D] tensor of guesses is copied per step. The noise comes from one device
+    generator seeded with `seed`, so each stream's rows (and its tree's off-path tokens) differ
+    and every rank, running the same steps, draws the same."""
 
     _gen: torch.Generator | None = None
-
-    def guesses(self, sid: Hashable) -> list[int]:
-        n, seq = len(self._ctx[sid]), self._full[sid]
-        rng = random.Random(hash((self.seed, n, 1)))
-        out = []
-        for d in range(self.depth):
-            guess = seq[n + d + 1] if n + d + 1 < len(seq) else 0
-            if rng.random() < self.corrupt:
-                guess = (guess + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
-            out.append(guess)
-        return out
 
     def draft(self, sids: list, bonus: torch.Tensor) -> torch.Tensor:
         dev = bonus.device

@@ -7,14 +7,19 @@ tests/ (tests/core/test_bench_engine.py runs the benchmark as a program). CPU, a
 
 from __future__ import annotations
 
+import statistics
+
 import bench_engine
 import torch
-from engine_model import build_random_model, rank_slice_config
-from engine_runs import EngineBench
+from engine_model import INT4_STD, build_random_model, rank_slice_config
+from engine_probe import uniform_distinct
+from engine_runs import EngineBench, RunResult
 
 from ddserve.config import ModelConfig
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.runner import ModelRunner
+from ddserve.kernels.moe_ref import unpack_int4
+from ddserve.model.moe import RoutedExperts
 
 SMALL = ["--small", "--device", "cpu", "--steps", "2", "--warmup", "1"]
 
@@ -51,3 +56,51 @@ def test_rewind_returns_every_slot():
         bench.continuation[(9, 10, 11)],
     ]
     assert first.committed == again.committed == [2, 2, 2]
+
+
+def test_random_int4_experts_are_zero_mean():
+    """Nibble values uniform in [-7, 7]: a mean of -0.5 (uniform in [-8, 7]) puts a common
+    direction into every expert's output that K2 widths grow layer over layer until routing and
+    the greedy token no longer depend on the token."""
+    cfg = ModelConfig.from_hf(rank_slice_config(3, small=True))
+    model = build_random_model(cfg, torch.device("cpu"))
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    assert len(experts) == 2
+    for m in experts:
+        for packed in (m.w13_packed, m.w2_packed):
+            q = unpack_int4(packed).float()
+            assert (q.min().item(), q.max().item()) == (-7, 7)
+            assert abs(q.mean().item()) < 0.02
+            assert abs(q.std().item() - INT4_STD) < 0.02
+            counts = torch.bincount((q + 7).long().flatten(), minlength=15).float()
+            assert counts.min() > 0.95 * counts.mean()
+
+
+def _distinct_over_uniform(res: RunResult, cfg: ModelConfig) -> float:
+    measured = statistics.fmean(statistics.fmean(f) for f in res.distinct)
+    uniform = statistics.fmean(
+        uniform_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, t)
+        for t in res.routed_tokens
+    )
+    return measured / uniform
+
+
+def test_routing_touches_about_as_many_experts_as_independent_tokens():
+    """Distinct experts per layer of AR and DDTree forwards over several streams are close to
+    independent uniform routing: the streams emit different tokens, and their trees hold
+    different tokens (each stream's continuation, per-stream noise off the path)."""
+    cfg = ModelConfig.from_hf(rank_slice_config(3, small=True))
+    model = build_random_model(cfg, torch.device("cpu"))
+    runner = ModelRunner.from_model(model, cfg, engine_cfg=EngineConfig(num_slots=512, budget=8))
+    prompts = torch.randint(2, cfg.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
+    bench = EngineBench(runner, prompts.tolist(), max_tokens=40, graph_reps=0)
+    ar = bench.run_ar(bench.sids, warmup=0, steps=10)  # also the oracle's continuations
+    outs = [runner.streams[s].output for s in bench.sids]
+    assert all(len(set(step)) == 4 for step in zip(*outs, strict=True))  # no shared tokens
+    ratios = {"ar4": _distinct_over_uniform(ar, cfg)}
+    ratios["ar2"] = _distinct_over_uniform(bench.run_ar(bench.sids[:2], 0, 3), cfg)
+    for c in (1, 2, 4):
+        res = bench.run_ddtree(bench.sids[:c], 8, 0, 1, 0, depth=7, margin=20.0)
+        assert res.committed == [8 * c] and res.matches_ar == 1.0
+        ratios[f"ddtree{c}"] = _distinct_over_uniform(res, cfg)
+    assert min(ratios.values()) >= 0.85, ratios
