@@ -111,6 +111,22 @@ def sdpa_path(q_lat, q_pe, kv, meta: TreeAttnMeta, r: int) -> torch.Tensor:
     return out.transpose(1, 2)  # [B, Q, H, R]
 
 
+def kernel_us(fn, reps: int = 20) -> dict[str, float]:
+    """Mean device time per call of each kernel `fn` launches (torch profiler, eager calls):
+    separates the attention kernel from the split merge."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            out[ev.key[:60]] = ev.device_time_total / reps
+    return out
+
+
 def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=False) -> dict:
     ql, t, meta, q_lat, q_pe, kv = case_inputs(nb, budget, pl, h, r, p, dev, pad_pow2)
     nbytes = nb * (pl + ql) * (r + p) * 2 + t * h * (r + p + r) * 2 + nb * (pl + ql) * 8
@@ -156,7 +172,8 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=
                 continue
             ms = time_ms(lambda cfg=cfg: triton_path(cfg, True), rep=50)
             err = rel_err(o.view(nb, ql, h, r), ref32)
-            row["inv_splits"].append(dict(config=cfg, ms=ms, err_vs_ref32=err))
+            per_kernel = kernel_us(lambda cfg=cfg: triton_path(cfg, True)) if o.is_cuda else {}
+            row["inv_splits"].append(dict(config=cfg, ms=ms, err_vs_ref32=err, kernel_us=per_kernel))
     if sweep:
         for key, variants, inv in (
             ("variants", VARIANTS, False),

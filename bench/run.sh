@@ -16,13 +16,15 @@
 #   serve       `ddserve serve` on every GPU (needs Ray): streaming curl, load test, /metrics,
 #               clean shutdown; extra args go to `ddserve serve`
 #   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
+#   step        one call after a step-kernel change: the kernel + engine GPU tests, the engine
+#               bench, tree attention by split/tile, the MoE alignment (extra args: pytest -k)
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODES="tests exactness moe attention dense engine profile serve pair"
+MODES="tests exactness moe attention dense engine profile serve pair step"
 MODE=${1:-}
 if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
-  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
   [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
@@ -92,6 +94,16 @@ case "$MODE" in
       -k "test_invariant_gpu or test_engine_gpu or test_warmup_gpu or test_ddtree_nosync or test_prefill_phase_gpu"
     step eval_pair 380 python3 bench/eval_pair.py --max-minutes 5.5 --out "$OUT/eval_pair_h200.json" \
       --plot "$OUT/eval_pair_h200.png" "$@"
+    ;;
+  step)
+    step pytest_step 170 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_moe_align_gpu.py \
+      tests/gpu/test_tree_attn_triton.py tests/gpu/test_router_gpu.py tests/gpu/test_invariant_gpu.py \
+      tests/gpu/test_engine_gpu.py ${1:+-k "$1"}
+    step engine 120 python3 bench/bench_engine.py --batches 1,5,10 --budgets 16 --corrupt 0 \
+      --cuda-graphs --steps 4 --max-seconds 90 --out "$OUT/engine.json"
+    step tree_attn 90 python3 bench/bench_tree_attn.py --prefixes 1024,8192 --streams 1,10 \
+      --budgets 0,16 --pad-pow2 --splits 64/64,128/64,256/64,128/32,256/32 --out "$OUT/tree_attn.json"
+    step align 60 python3 bench/bench_align.py --budget 40 --out "$OUT/align.json"
     ;;
 esac
 [ -n "${DRY:-}" ] || tail -c 11000 "$LOG"
