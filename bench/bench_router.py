@@ -5,13 +5,16 @@ median, L2 flushed between calls, so the fp32 gate streams from HBM as in a real
 - "fused": `router.route` (two launches: the gate GEMV partials, then per-token selection) with
   `router_config(E, D)`. With --sweep also "fused:BTxBExBKxU/S/W[:mma]": other tiles, splits,
   warps, and the tensor-core (tf32x3) form of the gate GEMV.
+- "...:bf16": the same kernel reading the gate as bf16 (bf16 tensor-core products; what the
+  model's Router passes when its gate holds bf16 values, as checkpoints store it). The gate's
+  values are bf16 in every variant, so all of them route the same inputs.
 - "torch_invariant": `route_ref` with `backend`'s linear / row_sum in batch-invariant mode (the
   tf32x3 gate matmul + split-K sum + torch's sigmoid, top-k, gather, normalise: what the
   engine's Router ran before the fused kernel).
 - "torch": `route_ref` with cuBLAS fp32 (batch-invariant mode off).
 Shapes: Kimi K2.6 (D 7168, E 384, top-8, one group, scale 2.827) and DeepSeek-V3's grouped
 routing (E 256, 8 groups, best 4). T in 1, 5, 10, 17, 85, 170. Per (shape, variant, T):
-microseconds, gate GB/s (4 E D bytes / time; the floor is 4 E D / HBM bandwidth), kernels per call
+microseconds, gate GB/s (4 E D bytes, 2 E D for bf16, / time), kernels per call
 (torch profiler); per fused variant the T whose rows differ from the same rows at T = 170 (row
 invariance: must be []); for torch_invariant how many of 170 tokens' ids differ from "fused".
 
@@ -54,6 +57,16 @@ SWEEP = [  # (block_t, block_e, block_k, unroll, split or 0 for router_config's,
     (16, 16, 64, 4, 28, 4, True),
     (32, 32, 64, 2, 28, 8, True),
 ]
+SWEEP_BF16 = [  # the mma configurations timed with the bf16 gate as well
+    (64, 32, 32, 4, 0, 4, True),
+    (64, 32, 64, 4, 0, 4, True),
+    (64, 32, 32, 4, 14, 4, True),
+    (64, 32, 64, 2, 28, 4, True),
+    (32, 32, 64, 4, 28, 4, True),
+    (16, 32, 64, 4, 28, 4, True),
+    (16, 32, 64, 2, 56, 4, True),
+    (16, 64, 64, 4, 28, 4, True),
+]
 
 
 def kernels_per_call(fn) -> int | None:
@@ -89,10 +102,17 @@ def variants(args, e: int, d: int) -> dict:
             x, w, b, p, linear=F.linear, row_sum=lambda v: v.sum(-1, keepdim=True)
         ),
     }
+    if not args.smoke:  # the interpreter's dot mis-reads bf16 operands (the tests patch it)
+        out["fused:bf16"] = lambda x, w, b, p: router.route(x, w, b, p)
     for bt, be, bk, u, s, wp, mma in SWEEP if args.sweep else []:
         split = s or router.router_config(e, d).split
         cfg = router.RouterConfig(bt, be, bk, u, split, wp, mma)
         name = f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}" + ":mma" * mma
+        out[name] = lambda x, w, b, p, cfg=cfg: router.route(x, w, b, p, cfg)
+    for bt, be, bk, u, s, wp, mma in SWEEP_BF16 if args.sweep else []:
+        split = s or router.router_config(e, d).split
+        cfg = router.RouterConfig(bt, be, bk, u, split, wp, mma)
+        name = f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}:mma:bf16"
         out[name] = lambda x, w, b, p, cfg=cfg: router.route(x, w, b, p, cfg)
     return out
 
@@ -108,12 +128,14 @@ def run_shape(args, spec, dev: str) -> dict:
     p = RoutingParams(k, groups, topk_groups, norm, scaling)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(max(T_LIST), d, generator=g, device=dev).bfloat16()
-    w = torch.randn(e, d, generator=g, device=dev) * (2.0 / d**0.5)
+    w16 = (torch.randn(e, d, generator=g, device=dev) * (2.0 / d**0.5)).bfloat16()
+    w32 = w16.float()  # bf16 values, as a checkpoint's gate
     b = torch.randn(e, generator=g, device=dev) * 0.05
     rec: dict = {"config": router.router_config(e, d)._asdict(), "variants": {}}
-    nbytes = 4 * e * d
-    fused_full = router.route(x, w, b, p)
+    fused_full = router.route(x, w32, b, p)
     for name, fn in variants(args, e, d).items():
+        w = w16 if name.endswith(":bf16") else w32
+        nbytes = w.numel() * w.element_size()
         res: dict = {"us": {}, "GBps": {}}
         try:
             if name.startswith("fused"):  # row invariance: each T's rows vs T = max
@@ -127,7 +149,7 @@ def run_shape(args, spec, dev: str) -> dict:
                 res["GBps"][t] = round(nbytes / us / 1e3, 1)
             if dev == "cuda":
                 res["kernels_per_call_t1"] = kernels_per_call(lambda fn=fn: fn(x[:1], w, b, p))
-            if name == "torch_invariant":
+            if name in ("torch_invariant", "fused:bf16"):
                 ids = fn(x, w, b, p)[0]
                 res["tokens_with_other_ids_than_fused"] = int((ids != fused_full[0]).any(-1).sum())
         except Exception as ex:  # noqa: BLE001 - one broken configuration must not stop the run
@@ -161,7 +183,7 @@ def aot_report() -> None:
         chunk = cfg.block_k * cfg.unroll
         consts = dict(E=e, D=d, E_PAD=triton.cdiv(e, 16) * 16, BLOCK_T=cfg.block_t,
                       BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
-                      SPLIT=cfg.split, MMA=cfg.mma,
+                      SPLIT=cfg.split, MMA=cfg.mma, BF16=False,
                       K_PER=triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk)  # fmt: skip
         sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", sx="i32", sw="i32")
         sig.update(dict.fromkeys(consts, "constexpr"))

@@ -145,6 +145,9 @@ def _fill_(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
         p.normal_(0.0, EMBED_RMS, generator=gen)
     elif name.endswith("lm_head.weight"):
         pass  # set from the embedding afterwards
+    elif name.endswith("mlp.gate.weight"):  # bf16 values, as checkpoints store the gate
+        p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+        p.copy_(p.to(torch.bfloat16).float())
     else:
         p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
 
@@ -182,6 +185,9 @@ def parameter_bytes(model: DeepseekV3ForCausalLM) -> dict[str, int]:
         elif ".mlp.shared_experts." in name:
             out["shared_expert"] += n
         elif ".mlp.gate." in name:
+            gate = name.endswith("gate.weight") and p.is_cuda
+            if gate and torch.equal(p.to(torch.bfloat16).float(), p):
+                n //= 2  # the fused router reads its exact bf16 copy (`Router.gate_for`)
             out["router"] += n
         elif ".mlp." in name:
             out["dense_mlp"] += n

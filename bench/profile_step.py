@@ -91,28 +91,38 @@ def category(path: str, mlp_kind: str | None, kernel: str) -> str:
     return "other"
 
 
+# Methods that launch a submodule's work outside that submodule's forward, annotated as it:
+# MLA's q_a_proj + kv_a_proj_with_mqa as one matmul on the CUDA invariant path.
+METHODS = {"_down_projections": "kv_a_proj_with_mqa"}
+
+
 @contextlib.contextmanager
 def annotated(model: torch.nn.Module):
-    """Every named module's forward inside a profiler annotation of its qualified name."""
-    originals = {}
+    """Every named module's forward (and the `METHODS`) inside a profiler annotation of its
+    qualified name."""
+    originals = []
     for name, mod in model.named_modules():
         if not name:
             continue
+        attrs = [("forward", name)] + [
+            (m, f"{name}.{label}") for m, label in METHODS.items() if hasattr(mod, m)
+        ]
+        for attr, label in attrs:
 
-        def wrapped(*a, __f=mod.forward, __n=name, **kw):
-            with record_function(__n):
-                return __f(*a, **kw)
+            def wrapped(*a, __f=getattr(mod, attr), __n=label, **kw):
+                with record_function(__n):
+                    return __f(*a, **kw)
 
-        originals[mod] = mod.__dict__.get("forward")
-        mod.forward = wrapped
+            originals.append((mod, attr, mod.__dict__.get(attr)))
+            setattr(mod, attr, wrapped)
     try:
         yield
     finally:
-        for mod, orig in originals.items():
+        for mod, attr, orig in originals:
             if orig is None:
-                del mod.forward
+                delattr(mod, attr)
             else:
-                mod.forward = orig
+                setattr(mod, attr, orig)
 
 
 def trace_events(prof) -> list[dict]:

@@ -16,15 +16,16 @@
 #   serve       `ddserve serve` on every GPU (needs Ray): streaming curl, load test, /metrics,
 #               clean shutdown; extra args go to `ddserve serve`
 #   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
-#   step        one call after a step-kernel change: the kernel + engine GPU tests, the engine
-#               bench, tree attention by split/tile, the MoE alignment (extra args: pytest -k)
+#   step        one call after a step-kernel change: the router/fused/dense/engine GPU tests, the
+#               engine bench, the router sweep, tree attention by tile configuration
+#               (extra args: pytest -k)
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODES="tests exactness moe attention dense engine profile serve pair step"
 MODE=${1:-}
 if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
   [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
@@ -96,14 +97,18 @@ case "$MODE" in
       --plot "$OUT/eval_pair_h200.png" "$@"
     ;;
   step)
-    step pytest_step 170 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_moe_align_gpu.py \
-      tests/gpu/test_tree_attn_triton.py tests/gpu/test_router_gpu.py tests/gpu/test_invariant_gpu.py \
-      tests/gpu/test_engine_gpu.py ${1:+-k "$1"}
-    step engine 120 python3 bench/bench_engine.py --batches 1,5,10 --budgets 16 --corrupt 0 \
-      --cuda-graphs --steps 4 --max-seconds 90 --out "$OUT/engine.json"
-    step tree_attn 90 python3 bench/bench_tree_attn.py --prefixes 1024,8192 --streams 1,10 \
-      --budgets 0,16 --pad-pow2 --splits 64/64,128/64,256/64,128/32,256/32 --out "$OUT/tree_attn.json"
-    step align 60 python3 bench/bench_align.py --budget 40 --out "$OUT/align.json"
+    step pytest_step 170 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_router_gpu.py \
+      tests/gpu/test_fused_gpu.py tests/gpu/test_invariant_gpu.py tests/gpu/test_engine_gpu.py \
+      ${1:+-k "$1"}
+    # perfect oracle (16 tokens per step) and corrupt 0.19 on a chain (~5 committed per step)
+    step engine 160 python3 bench/bench_engine.py --batches 1,5,10 --budgets 16 --corrupt 0,0.19 \
+      --cuda-graphs --steps 4 --max-seconds 130 --out "$OUT/engine.json"
+    step router 80 python3 bench/bench_router.py --sweep --out "$OUT/router.json"
+    step tree_attn 130 python3 bench/bench_tree_attn.py --prefixes 1024,8192 --streams 1,10 \
+      --budgets 0,16 --pad-pow2 --out "$OUT/tree_attn.json" --splits "256/64,\
+SPLIT=256/BN=64/BM=16/num_warps=4,SPLIT=256/BN=64/BM=16/num_warps=8,SPLIT=256/BN=64/num_warps=4,\
+SPLIT=256/BN=64/num_stages=2,SPLIT=128/BN=64/BM=16/num_warps=4,\
+SPLIT=256/BN=128/BM=16/num_warps=8/num_stages=2"
     ;;
 esac
 [ -n "${DRY:-}" ] || tail -c 11000 "$LOG"

@@ -308,7 +308,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 def route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, params: RoutingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router_ref.route_ref`'s contract: x [T, D], gate [E, D] fp32, bias [E] fp32,
+    """`router_ref.route_ref`'s contract: x [T, D], gate [E, D] fp32 or bf16, bias [E] fp32,
     `RoutingParams` -> ids [T, k] int64, weights [T, k] fp32. Batch-invariant mode on CUDA: the
     fused router (two launches, fixed-order fp32); otherwise the torch math with this module's
     `linear` and `row_sum`."""

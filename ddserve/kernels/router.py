@@ -6,6 +6,10 @@ depend on how many other tokens are in the call or what they are.
    (`router_config`, `RouterConfig.mma`) takes one tl.dot "tf32x3" product per K step (three
    tf32 tensor-core products, about fp32 accuracy, row-invariant like `invariant._mm_kernel`):
    at K2.6's gate (tp = 8: 11 MB, E 384, D 7168) 12 expert blocks x 7 splits per 64-token tile.
+   A bf16 gate with bf16 x (checkpoints store the gate in bf16; `moe.Router` passes a bf16
+   copy when it holds the fp32 values exactly) takes one bf16 product per K step instead: the
+   products of two bf16 numbers are exact and the MMA adds them at fp32 precision, as the
+   tf32x3 form does, from half the weight bytes and a third of the MMAs.
    Without `mma` a program keeps BLOCK_K fp32 accumulators per (token, expert), each an FMA
    chain over the split's K range in K order, summed with one fixed `tl.sum` tree: exact fp32
    products, but at T in the hundreds the FMAs, not the weight, bound the time.
@@ -68,11 +72,12 @@ def _gate_partials_kernel(
     x_ptr, w_ptr, part_ptr, T, sx, sw,
     E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr,
+    SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32; see the module
-    docstring for the order; with MMA, one tf32x3 tensor-core product per BLOCK_K step added in
-    K order). Program (expert block * SPLIT + s, token tile)."""
+    docstring for the order; with MMA, one tensor-core product per BLOCK_K step added in K
+    order: bf16 when x and w both are (BF16), else tf32x3). Program (expert block * SPLIT + s,
+    token tile)."""
     pid = tl.program_id(0)
     eb, s = pid // SPLIT, pid % SPLIT
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -89,7 +94,12 @@ def _gate_partials_kernel(
                 k_ok = kk < D
                 a = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-                part = tl.dot(a.to(tl.float32), tl.trans(b), part, input_precision="tf32x3")
+                if BF16:  # bf16 x bf16: exact products, fp32 accumulation, one MMA
+                    part = tl.dot(a, tl.trans(b), part)
+                else:
+                    part = tl.dot(
+                        a.to(tl.float32), tl.trans(b.to(tl.float32)), part, input_precision="tf32x3"
+                    )
     else:  # BLOCK_K FMA chains per (token, expert), summed by one tl.sum tree at the end
         acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), dtype=tl.float32)
         for i in range(0, K_PER, BLOCK_K * UNROLL):
@@ -99,7 +109,7 @@ def _gate_partials_kernel(
                 a = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_rows + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
                 a3 = tl.broadcast_to(a.to(tl.float32)[:, None, :], (BLOCK_T, BLOCK_E, BLOCK_K))
-                b3 = tl.broadcast_to(b[None, :, :], (BLOCK_T, BLOCK_E, BLOCK_K))
+                b3 = tl.broadcast_to(b.to(tl.float32)[None, :, :], (BLOCK_T, BLOCK_E, BLOCK_K))
                 acc = tl.fma(a3, b3, acc)  # [BT, BE, BK]
         part = tl.sum(acc, axis=2)  # [BT, BE]
     out = part_ptr + rt.to(tl.int64)[:, None] * (SPLIT * E_PAD) + s * E_PAD + re[None, :]
@@ -213,7 +223,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: Routing
     e, d = weight.shape
     assert x.dim() == 2 and x.shape[1] == d, f"x {tuple(x.shape)} vs gate {tuple(weight.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
-    assert weight.dtype == torch.float32 and weight.stride(1) == 1, "gate: fp32, unit K stride"
+    assert weight.dtype in (torch.float32, torch.bfloat16), f"gate: fp32 or bf16, not {weight.dtype}"
+    assert weight.stride(1) == 1, "gate: unit K stride"
     assert bias.dtype == torch.float32 and bias.shape == (e,) and bias.is_contiguous()
     assert x.device == weight.device == bias.device
     assert e % p.n_group == 0 and 1 <= p.topk_group <= p.n_group, p
@@ -234,8 +245,8 @@ def route(
     p: RoutingParams,
     cfg: RouterConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D], gate weight [E, D] fp32, bias [E] fp32 -> ids [T, k] int64, weights [T, k]
-    fp32 (`route_ref`'s contract). `cfg` overrides `router_config(E, D)` (benchmarks)."""
+    """x [T, D], gate weight [E, D] fp32 or bf16, bias [E] fp32 -> ids [T, k] int64, weights
+    [T, k] fp32 (`route_ref`'s contract). `cfg` overrides `router_config(E, D)` (benchmarks)."""
     _check(x, weight, bias, p)
     (e, d), t, k = weight.shape, x.shape[0], p.top_k
     cfg = cfg or router_config(e, d)
@@ -253,7 +264,8 @@ def route(
     _gate_partials_kernel[grid](
         x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
         BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
-        SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma, num_warps=cfg.warps,
+        SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
+        BF16=x.dtype == weight.dtype == torch.bfloat16, num_warps=cfg.warps,
     )  # fmt: skip
     eg = e // p.n_group
     _select_kernel[(t,)](

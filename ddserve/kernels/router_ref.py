@@ -51,10 +51,11 @@ def route_ref(
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
     row_sum: Callable[[torch.Tensor], torch.Tensor] = fixed_order_sum,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] (any float dtype), weight [E, D] fp32, bias [E] fp32 -> ids [T, k] int64 (by
-    descending choice score, as torch.topk orders them), weights [T, k] fp32. `linear` computes
-    the gate logits and `row_sum` the normaliser (the model passes `backend`'s ops)."""
-    scores = linear(x.float(), weight).sigmoid()  # [T, E] (fp32 gate)
+    """x [T, D] (any float dtype), weight [E, D] fp32 (bf16 is widened exactly), bias [E] fp32
+    -> ids [T, k] int64 (by descending choice score, as torch.topk orders them), weights [T, k]
+    fp32. `linear` computes the gate logits and `row_sum` the normaliser (the model passes
+    `backend`'s ops)."""
+    scores = linear(x.float(), weight.float()).sigmoid()  # [T, E] (fp32 gate)
     choice = scores + bias.unsqueeze(0)  # [T, E]
     if p.grouped:
         grouped = choice.view(x.shape[0], p.n_group, -1)  # [T, G, E/G]

@@ -28,6 +28,8 @@ from ddserve.model.layers import (
     RMSNorm,
     RowParallelLinear,
     shard_size,
+    share_rows,
+    stacked_rows,
 )
 
 LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps
@@ -50,16 +52,33 @@ class MLA(nn.Module):
             q_out = heads * cfg.qk_head_dim
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_out, comm, dtype, device)
         self.kv_a_proj_with_mqa = Linear(d, cfg.kv_latent_dim, dtype, device)
+        if cfg.q_lora_rank is not None:  # one [q_lora + R + P, D] buffer: one matmul on CUDA
+            share_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype, device)
         kv_b_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, kv_b_out, comm, dtype, device)
         self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, d, comm, dtype, device)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, H_local, qk_head_dim]
+    def _down_projections(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(q_a_proj(x) [T, q_lora] or None without a q LoRA, kv_a_proj_with_mqa(x) [T, R + P]).
+        On the CUDA batch-invariant path with both weights in one buffer (as built): one matmul,
+        the two outputs column slices of it (strided rows, which the norms and the latent
+        kernel read as such). Elsewhere two matmuls (the CPU reference)."""
+        kv_a = self.kv_a_proj_with_mqa
         if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return None, kv_a(x)
+        merged = None
+        if backend.batch_invariant() and x.device.type == "cuda":
+            merged = stacked_rows(self.q_a_proj.weight, kv_a.weight)
+        if merged is None:
+            return self.q_a_proj(x), kv_a(x)
+        both = backend.linear(x, merged)  # [T, q_lora + R + P]
+        n_q = self.q_a_proj.weight.shape[0]
+        return both[:, :n_q], both[:, n_q:]
+
+    def _query(self, x: torch.Tensor, q_a: torch.Tensor | None) -> torch.Tensor:
+        """[T, D] -> [T, H_local, qk_head_dim] (q_a: q_a_proj(x) when there is a q LoRA)."""
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         return q.view(x.shape[0], self.n_local, -1)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +94,8 @@ class MLA(nn.Module):
         meta: TreeAttnMeta,
         absorbed: bool = True,
     ) -> torch.Tensor:  # [T, D] (all-reduced)
-        q = self._query(x)  # [T, H, nope + P]
-        kv = self.kv_a_proj_with_mqa(x)  # [T, R + P] = [c_kv | k_pe]
+        q_a, kv = self._down_projections(x)  # kv [T, R + P] = [c_kv | k_pe]
+        q = self._query(x, q_a)  # [T, H, nope + P]
         # kv_cache[block_slots] = [kv_a_layernorm(c_kv) | rope(k_pe)]; q_pe = rope(q[..., nope:])
         norm = self.kv_a_layernorm
         slots = meta.block_slots

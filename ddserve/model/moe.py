@@ -28,6 +28,8 @@ from ddserve.model.layers import (
     empty_param,
     reduce_partials,
     shard_size,
+    share_rows,
+    stacked_rows,
 )
 from ddserve.model.quant import GROUP, PACK, check_int4_split, dequantize_int4
 
@@ -48,24 +50,13 @@ class DenseMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, comm, dtype, device)
         self.up_proj = ColumnParallelLinear(hidden, inter, comm, dtype, device)
         self.down_proj = RowParallelLinear(inter, hidden, comm, dtype, device, reduce=reduce)
-        il = self.gate_proj.weight.shape[0]
-        gate_up = torch.empty(2 * il, hidden, dtype=dtype, device=device)  # [2 I_local, D]
-        self.gate_proj.weight = nn.Parameter(gate_up[:il], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(gate_up[il:], requires_grad=False)
+        share_rows(self.gate_proj, self.up_proj)  # one [2 I_local, D] buffer
 
     def gate_up_weight(self) -> torch.Tensor | None:
         """[2 * I_local, D]: gate_proj.weight's rows then up_proj.weight's, one tensor, while
         the two still lie back to back in one buffer (as built); None if either was replaced."""
         g, u = self.gate_proj.weight, self.up_proj.weight
-        adjacent = (
-            g.is_contiguous()
-            and u.is_contiguous()
-            and g.shape == u.shape
-            and g.device == u.device
-            and g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
-            and u.storage_offset() == g.storage_offset() + g.numel()
-        )
-        return g.as_strided((2 * g.shape[0], g.shape[1]), g.stride()) if adjacent else None
+        return stacked_rows(g, u) if g.shape == u.shape else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         merged = None
@@ -90,10 +81,32 @@ class Router(nn.Module):
         self.weight = empty_param((e, cfg.hidden_size), torch.float32, device)
         self.e_score_correction_bias = empty_param((e,), torch.float32, device)
         self.params = RoutingParams.from_config(cfg)
+        self._bf16: tuple[tuple[int, int], torch.Tensor | None] | None = None
+
+    def gate_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate the router reads for `x`. For bf16 x on the fused router (CUDA, batch-
+        invariant mode): a bf16 copy of `weight` when that copy holds its values exactly
+        (checkpoints store the gate in bf16, so the fp32 parameter is a widening); the fused
+        router then reads half the bytes and runs bf16 tensor-core products, which are exact
+        (`kernels/router.py`). Otherwise `weight` itself. The copy costs half the fp32 gate's
+        memory (5.5 MB per layer at K2.6's tp = 8 shapes) and is rebuilt when `weight` is
+        written (its version changes)."""
+        w = self.weight
+        if x.dtype != torch.bfloat16 or w.device.type != "cuda" or not backend.batch_invariant():
+            return w  # the torch router (route_ref) reads the fp32 gate
+        key = (w.data_ptr(), w._version)
+        if self._bf16 is None or self._bf16[0] != key:
+            if torch.cuda.is_current_stream_capturing():  # no sync in a capture: fp32 this time
+                return w
+            with torch.no_grad():
+                w16 = w.to(torch.bfloat16)
+                exact = bool(torch.equal(w16.float(), w))
+            self._bf16 = (key, w16 if exact else None)
+        return w if self._bf16[1] is None else self._bf16[1]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32."""
-        return backend.route(x, self.weight, self.e_score_correction_bias, self.params)
+        return backend.route(x, self.gate_for(x), self.e_score_correction_bias, self.params)
 
 
 class RoutedExperts(nn.Module):

@@ -86,3 +86,33 @@ def test_cache_holds_latents_only(model):
     prefill(model, cache, [[5, 6, 7]])
     written = cache.abs().sum(-1) > 0  # [L, S]
     assert written[:, :3].all() and not written[:, 3:].any()
+
+
+def test_down_projections_share_one_buffer_filled_by_the_loader(tiny_model_dir):
+    """q_a_proj and kv_a_proj_with_mqa are views of one buffer (one matmul on the CUDA invariant
+    path), filled in place from the checkpoint; replacing one makes the merged view unavailable."""
+    from safetensors.torch import load_file
+
+    from ddserve.model.layers import stacked_rows
+    from ddserve.model.mla import MLA
+
+    model, cfg = load_model(tiny_model_dir, dtype=torch.float32, progress=False)
+    ckpt = {}
+    for f in sorted(tiny_model_dir.glob("*.safetensors")):
+        ckpt.update(load_file(f))
+    mlas = {n: m for n, m in model.named_modules() if isinstance(m, MLA)}
+    assert mlas
+    for name, attn in mlas.items():
+        stem = cfg.weight_prefix + name
+        q_a, kv_a = attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight
+        merged = stacked_rows(q_a, kv_a)
+        assert merged is not None, name
+        want = torch.cat([ckpt[stem + ".q_a_proj.weight"], ckpt[stem + ".kv_a_proj_with_mqa.weight"]])
+        assert torch.equal(merged, want.float()), name
+        q, kv = attn._down_projections(torch.randn(3, q_a.shape[1]))  # CPU: two matmuls
+        assert q.shape == (3, q_a.shape[0]) and kv.shape == (3, kv_a.shape[0])
+    attn = next(iter(mlas.values()))
+    saved = attn.kv_a_proj_with_mqa.weight
+    attn.kv_a_proj_with_mqa.weight = torch.nn.Parameter(saved.clone(), requires_grad=False)
+    assert stacked_rows(attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight) is None
+    attn.kv_a_proj_with_mqa.weight = saved

@@ -118,3 +118,25 @@ def test_model_forward_is_bitwise_the_same_fused_or_not(monkeypatch) -> None:
     names = ["logits", "hidden", "step logits", "step hidden", "cache"]
     pairs = zip(names, fused_out, unfused_out, strict=True)
     assert [name for name, a, b in pairs if not torch.equal(a, b)] == []
+
+
+def test_mla_down_projections_are_one_row_invariant_matmul() -> None:
+    """q_a_proj and kv_a_proj_with_mqa as one matmul over their shared buffer (K2.6 widths):
+    each row's outputs do not depend on the other rows, and they are the two separate matmuls'
+    up to bf16 rounding (same K order, possibly other tiles)."""
+    from ddserve.model.layers import Linear, share_rows, stacked_rows
+
+    q_a = Linear(HIDDEN, Q_LORA, torch.bfloat16, "cuda")
+    kv_a = Linear(HIDDEN, KV_LORA + ROPE, torch.bfloat16, "cuda")
+    share_rows(q_a, kv_a)
+    with torch.no_grad():
+        q_a.weight.copy_(rand(Q_LORA, HIDDEN, scale=HIDDEN**-0.5, seed=11))
+        kv_a.weight.copy_(rand(KV_LORA + ROPE, HIDDEN, scale=HIDDEN**-0.5, seed=12))
+    merged = stacked_rows(q_a.weight, kv_a.weight)
+    x = rand(170, HIDDEN, seed=13)
+    with backend.invariant_mode(True):
+        both = backend.linear(x, merged)
+        bad = [t for t in T_LIST if not torch.equal(backend.linear(x[:t], merged), both[:t])]
+        apart = torch.cat([backend.linear(x, q_a.weight), backend.linear(x, kv_a.weight)], 1)
+    assert bad == [], f"rows differ from the 170-row launch at T = {bad}"
+    torch.testing.assert_close(both, apart, rtol=1.6e-2, atol=1e-3)

@@ -138,3 +138,57 @@ def test_dense_mlp_merged_gate_up_is_row_invariant_and_close_to_two_matmuls() ->
     with backend.invariant_mode(False):
         two = mlp(x)  # torch, two matmuls
     torch.testing.assert_close(full.float(), two.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("case", ["k26", "grouped"])
+def test_bf16_gate_matches_the_reference_and_is_row_invariant(case: str) -> None:
+    """A gate whose values are bf16 (as checkpoints store it), passed as bf16: bf16 tensor-core
+    products, the float64 reference's ids and weights, and the same bits at every T."""
+    e, p = CASES[case]
+    x, w, b = inputs(e, seed=7)
+    w16 = w.bfloat16()
+    w = w16.float()  # the same values in fp32
+    ids, wts = router.route(x, w16, b, p)
+    ref_ids, ref_wts = route_ref(x, w, b, p, linear=f64_linear)
+    differ = (ids != ref_ids).any(-1)
+    unexplained = (differ & ~near_tie(x, w, b, p)).nonzero().flatten().tolist()
+    assert unexplained == [] and int(differ.sum()) <= MAX_T // 50, int(differ.sum())
+    torch.testing.assert_close(wts[~differ], ref_wts[~differ], atol=2e-6, rtol=1e-5)
+    bad = []
+    for t in T_LIST:
+        i, wt = router.route(x[:t], w16, b, p)
+        if not (torch.equal(i, ids[:t]) and torch.equal(wt, wts[:t])):
+            bad.append(f"T={t}")
+    i, wt = router.route(x[300:470].clone(), w16, b, p)
+    if not (torch.equal(i, ids[300:470]) and torch.equal(wt, wts[300:470])):
+        bad.append("rows 300:470")
+    assert bad == []
+
+
+def test_model_router_reads_an_exact_bf16_copy_of_its_gate() -> None:
+    """`Router.gate_for` on the fused path: a bf16 copy when the fp32 gate holds bf16 values, the
+    fp32 gate when it does not, rebuilt after the gate is written; fp32 x keeps the fp32 gate."""
+    from ddserve.config import ModelConfig
+    from ddserve.model.moe import Router
+
+    e, p = CASES["k26"]
+    cfg = ModelConfig.from_hf(dict(hidden_size=D, n_routed_experts=e, num_experts_per_tok=8,
+                                   n_group=1, topk_group=1))  # fmt: skip
+    r = Router(cfg, torch.bfloat16, "cuda")
+    x, w, b = inputs(e, seed=8)
+    with torch.no_grad():
+        r.weight.copy_(w.bfloat16().float())
+        r.e_score_correction_bias.copy_(b)
+    with backend.invariant_mode(True):
+        g = r.gate_for(x)
+        assert g.dtype == torch.bfloat16 and torch.equal(g.float(), r.weight)
+        assert r.gate_for(x) is g  # cached
+        assert r.gate_for(x.float()) is r.weight
+        ids, wts = r(x[:17])
+        ref = router.route(x[:17], r.weight, b, r.params)  # tf32x3 on the same values
+        assert (ids != ref[0]).any(-1).sum() <= 1
+        with torch.no_grad():
+            r.weight.copy_(w)  # not bf16 values
+        assert r.gate_for(x) is r.weight
+    with backend.invariant_mode(False):
+        assert r.gate_for(x) is r.weight
