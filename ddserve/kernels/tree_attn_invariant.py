@@ -3,11 +3,14 @@
 Every row is computed from its own key sequence in position order: positions p < plen are its
 block's prefix slots, position plen + k is the k-th visible block token of its block-mask row (its
 path root..itself). Key tiles (BN) and splits (SPLIT) sit at fixed multiples in position space and
-one configuration (`INVARIANT_CONFIG`) serves every call, so a row's arithmetic depends on nothing
-but its query and its ordered keys: a verify row equals the AR decode row of the same token bit
-for bit, whatever else is batched. Splits are merged in split order by `_combine_kernel`; when the
-host shapes fit one split (P_max + Q_max <= SPLIT) the kernel writes the output itself, which is
-bitwise what the merge of one split gives (o * 1 + 0, then o / 1).
+one configuration per device (`device_config`) serves every call, except the height of the row
+tiles (BM), which small calls lower (`SMALL_BM`): no step of a row depends on it (scores and
+values are MMAs over keys, the softmax denominator too (`_row_sum`), the rest is per row). So a
+row's arithmetic depends on nothing but its query and its ordered keys: a verify row equals the
+AR decode row of the same token bit for bit, whatever else is batched. Splits are merged in
+split order by `_combine_kernel`; when the host shapes fit one split (P_max + Q_max <= SPLIT)
+the kernel writes the output itself, which is bitwise what the merge of one split gives (o * 1 +
+0, then o / 1).
 
 Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
 fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every
@@ -39,13 +42,24 @@ from ddserve.kernels.tree_attn import TreeAttnMeta
 
 
 @triton.jit
+def _row_sum(p):
+    """Row sums of p [BM, BN] (16-bit) as one tensor-core product with a ones matrix: each row
+    summed in the MMA's K order, the same for every tile height and warp layout (a tl.sum across
+    threads follows the layout, which changes with BM). Every column of the product is the row
+    sum, so their max is it exactly."""
+    ones = tl.full((p.shape[1], 16), 1.0, tl.float32).to(p.dtype)
+    return tl.max(tl.dot(p, ones), 1)
+
+
+@triton.jit
 def _online_update(m, l_sum, acc, sc, c):
-    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, R] into (m, l, acc)."""
+    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, R] into (m, l, acc); the
+    denominator sums the same 16-bit weights the values are multiplied by."""
     m_new = tl.maximum(m, tl.max(sc, 1))
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    l_sum = l_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+    p = tl.exp2(sc - m_new[:, None]).to(c.dtype)
+    l_sum = l_sum * alpha + _row_sum(p)
+    acc = acc * alpha[:, None] + tl.dot(p, c)
     return m_new, l_sum, acc
 
 
@@ -235,6 +249,15 @@ def _combine_kernel(
 INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
+# Calls of at most SMALL_CALL_ROWS (token, head) rows take BM = SMALL_BM row tiles (a row's bits
+# do not depend on BM: `_row_sum`, and every other step is per row or an MMA over keys): one
+# stream verifying a budget-16 tree, or up to 32 streams decoding. On an H200 (64-key tiles,
+# bench/results/step/tree_attn_tiles_bm16_h200_2026-12-01.json) BM 16 against 32: 1 stream
+# decoding 32 -> 28 us (1k prefix), 38 -> 33 (8k); 1 stream verifying 17 rows 45 -> 28, 75 -> 69;
+# 10 streams decoding 35 -> 30, 93 -> 79; but 10 streams verifying 17 rows 73 -> 84, 363 -> 457
+# (twice the row tiles, each reading the prefix), so larger calls keep BM = 32.
+SMALL_BM = 16
+SMALL_CALL_ROWS = 256
 
 
 @functools.lru_cache(maxsize=16)
@@ -256,7 +279,8 @@ def tree_mla_attention_invariant(
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
     `config` overrides keys of the device's configuration (`device_config`; tests use small
-    tiles); rows are only comparable between calls with the same configuration."""
+    tiles); rows are only comparable between calls with the same BN, SPLIT, warps and stages.
+    Without a BM in `config`, calls of at most SMALL_CALL_ROWS rows take BM = SMALL_BM."""
     t, h, r = q_latent.shape
     unknown = set(config or {}) - set(INVARIANT_CONFIG)
     if unknown:
@@ -264,6 +288,8 @@ def tree_mla_attention_invariant(
     cfg = {**device_config(q_latent.device), **(config or {})}
     assert cfg["SPLIT"] % cfg["BN"] == 0
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
+    if "BM" not in (config or {}) and nblocks * q_max * h <= SMALL_CALL_ROWS:  # host shapes
+        cfg["BM"] = min(cfg["BM"], SMALL_BM)
     tiles = triton.cdiv(q_max * h, cfg["BM"])
     nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, cfg["SPLIT"])  # host shapes only
     if nsplit == 1 or t == 0 or nblocks == 0:

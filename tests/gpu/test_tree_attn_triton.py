@@ -146,6 +146,25 @@ def test_invariant_rows_do_not_depend_on_the_batch(config=None):
     assert all(r["bad_rows"] == 0 for r in reps.values()), reps
 
 
+@pytest.mark.parametrize(
+    "case", [([1000], [17]), ([0, 1500, 5], [17, 1, 65]), ([8000] * 10, [1] * 10)],
+    ids=["one-tree", "mixed", "decode-10"],
+)
+def test_invariant_rows_do_not_depend_on_the_row_tile_height(case):
+    """Small calls take 16-row tiles, large ones 32: a row's bits must be the same in both."""
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    pls, qls = case
+    q_lat, q_pe, kv, meta = inputs(pls, qls, seed=len(pls) + sum(qls))
+    meta = meta.to("cuda")
+    outs = {bm: tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, invariant=True,
+                                   config=dict(BM=bm)) for bm in (16, 32)}  # fmt: skip
+    auto = tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, invariant=True)
+    reps = {bm: _diff_report(o, outs[16]) for bm, o in outs.items()}
+    reps["auto"] = _diff_report(auto, outs[16])
+    assert all(r["bad_rows"] == 0 for r in reps.values()), reps
+
+
 def test_invariant_mode_accurate_across_tiles_and_splits():
     """The invariant configuration: accurate, AR rows bitwise on trees and a causal chunk whose
     tail spans several splits."""

@@ -93,6 +93,13 @@ def _run_checks() -> dict:
         bad += int((part != full[rows]).any(-1).any(-1).sum())
     res["batch_bad_rows"] = bad
 
+    # 4) a row's bits do not depend on the row-tile height BM (small calls take a lower one)
+    pls, qls = [40, 7, 90], [17, 1, 30]
+    slots = sum(pls) + sum(qls) + 3
+    meta = random_meta(pls, qls, slots, seed=40)
+    q, qp, kv = _inputs(meta, H, slots, 40)
+    outs = [attn(q, qp, kv, meta, invariant=True, config=dict(SMALL, BM=bm)) for bm in (16, 32, 64)]
+    res["bm_bad_rows"] = sum(int((o != outs[0]).any(-1).any(-1).sum()) for o in outs[1:])
     return res
 
 
@@ -115,6 +122,10 @@ def test_matches_reference(mode):
 def test_tree_rows_equal_ar_rows_bitwise():
     ar = {k: v for k, v in _results().items() if k.startswith("ar_")}
     assert len(ar) == 4 and all(v["bad_rows"] == 0 for v in ar.values()), ar
+
+
+def test_rows_do_not_depend_on_the_row_tile_height():
+    assert _results()["bm_bad_rows"] == 0
 
 
 def test_rows_do_not_depend_on_the_batch():
