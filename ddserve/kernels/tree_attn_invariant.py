@@ -249,15 +249,25 @@ def _combine_kernel(
 INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
-# Calls of at most SMALL_CALL_ROWS (token, head) rows take BM = SMALL_BM row tiles (a row's bits
-# do not depend on BM: `_row_sum`, and every other step is per row or an MMA over keys): one
-# stream verifying a budget-16 tree, or up to 32 streams decoding. On an H200 (64-key tiles,
-# bench/results/step/tree_attn_tiles_bm16_h200_2026-12-01.json) BM 16 against 32: 1 stream
-# decoding 32 -> 28 us (1k prefix), 38 -> 33 (8k); 1 stream verifying 17 rows 45 -> 28, 75 -> 69;
-# 10 streams decoding 35 -> 30, 93 -> 79; but 10 streams verifying 17 rows 73 -> 84, 363 -> 457
-# (twice the row tiles, each reading the prefix), so larger calls keep BM = 32.
+# Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
+# is per row or an MMA over keys) for decode calls (one token per block: as many programs either
+# way, each cheaper) and for calls whose SMALL_BM grid stays within SMALL_BM_PROGRAMS programs;
+# elsewhere twice the row tiles, each reading the prefix, cost more than they gain. On an H200
+# (64-key tiles; bench/results/step/tree_attn_tiles_bm16_h200_2026-12-01.json and
+# tree_attn_bm_threshold_h200_2026-12-01.json; prefix tables padded as the engine's graphs pad
+# them), us per call, BM 16 vs 32, 1k / 8k prefixes: decoding, 1 stream 28 vs 33 / 33 vs 39,
+# 10 streams 30 vs 36 / 80 vs 96; verifying 17-row trees, 1 stream 28 vs 45 / 69 vs 75, 2
+# streams 29 vs 49 / 112 vs 108, 3 streams 36 vs 49 / 154 vs 137, 5 streams 48 vs 50 / 247 vs
+# 215, 10 streams 84 vs 73 / 457 vs 363.
 SMALL_BM = 16
-SMALL_CALL_ROWS = 256
+SMALL_BM_PROGRAMS = 320
+
+
+def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
+    """The call's BM from its host shapes: SMALL_BM for decode calls and small grids, else `bm`."""
+    rows = q_max * heads  # padded rows per block
+    grid = nblocks * triton.cdiv(rows, SMALL_BM) * nsplit
+    return min(bm, SMALL_BM) if rows <= SMALL_BM or grid <= SMALL_BM_PROGRAMS else bm
 
 
 @functools.lru_cache(maxsize=16)
@@ -280,7 +290,7 @@ def tree_mla_attention_invariant(
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
     `config` overrides keys of the device's configuration (`device_config`; tests use small
     tiles); rows are only comparable between calls with the same BN, SPLIT, warps and stages.
-    Without a BM in `config`, calls of at most SMALL_CALL_ROWS rows take BM = SMALL_BM."""
+    Without a BM in `config`, `row_tile` picks it from the call's shapes."""
     t, h, r = q_latent.shape
     unknown = set(config or {}) - set(INVARIANT_CONFIG)
     if unknown:
@@ -288,10 +298,10 @@ def tree_mla_attention_invariant(
     cfg = {**device_config(q_latent.device), **(config or {})}
     assert cfg["SPLIT"] % cfg["BN"] == 0
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
-    if "BM" not in (config or {}) and nblocks * q_max * h <= SMALL_CALL_ROWS:  # host shapes
-        cfg["BM"] = min(cfg["BM"], SMALL_BM)
-    tiles = triton.cdiv(q_max * h, cfg["BM"])
     nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, cfg["SPLIT"])  # host shapes only
+    if "BM" not in (config or {}):
+        cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
+    tiles = triton.cdiv(q_max * h, cfg["BM"])
     if nsplit == 1 or t == 0 or nblocks == 0:
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
         po = plse = out  # unused placeholders
