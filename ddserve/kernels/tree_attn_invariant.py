@@ -258,9 +258,10 @@ LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SME
 # them), us per call, BM 16 vs 32, 1k / 8k prefixes: decoding, 1 stream 28 vs 33 / 33 vs 39,
 # 10 streams 30 vs 36 / 80 vs 96; verifying 17-row trees, 1 stream 28 vs 45 / 69 vs 75, 2
 # streams 29 vs 49 / 112 vs 108, 3 streams 36 vs 49 / 154 vs 137, 5 streams 48 vs 50 / 247 vs
-# 215, 10 streams 84 vs 73 / 457 vs 363.
+# 215, 10 streams 84 vs 73 / 457 vs 363. The SMALL_BM grid of these verify calls (prefix tables
+# of 2k / 16k slots): 1 stream 81 / 585 programs, 2: 162 / 1170, 3: 243, 5: 405, 10: 810.
 SMALL_BM = 16
-SMALL_BM_PROGRAMS = 320
+SMALL_BM_PROGRAMS = 640
 
 
 def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
