@@ -52,14 +52,16 @@ class RouterConfig(NamedTuple):
 
 
 def router_config(e: int, d: int) -> RouterConfig:
-    """The configuration for an [E, D] gate: the tensor-core gate ("tf32x3") in tiles of 64
-    tokens x 32 experts, 32-wide K steps four at a time; K split into the largest number of
-    ranges that divides D's 256-wide chunks while ceil(E / 8) x split stays within
-    PROGRAMS_AT_T1 (7 at K2.6's 384 x 7168 gate). A function of the weight only.
+    """The configuration for an [E, D] gate: the tensor-core gate (bf16 products for a bf16
+    gate and x, else "tf32x3") in tiles of 64 tokens x 32 experts, 32-wide K steps four at a
+    time; K split into the largest number of ranges that divides D's 256-wide chunks while
+    ceil(E / 8) x split stays within PROGRAMS_AT_T1 (7 at K2.6's 384 x 7168 gate). A function of
+    the weight's shape only.
 
-    Timed on an H200 at K2.6's gate (bench/bench_router.py --sweep, BENCHMARKS.md): 27 us per
-    call from 1 to 17 tokens and 36 us at 170, against 23 / 32 / 94 us for 16 x 8 tiles of fp32
-    FMA chains (the fastest FMA form at one token, 3x slower at 170 tokens)."""
+    Timed on an H200 at K2.6's gate (bench/bench_router.py --sweep, BENCHMARKS.md): with a bf16
+    gate 15 us per call from 1 to 17 tokens and 17 us at 170; with an fp32 gate (tf32x3) 26 and
+    36 us, against 21 / 28 / 100 us for 8 x 8 tiles of fp32 FMA chains (the fastest FMA form at
+    one token). Other bf16 tilings were within 1 us at small T and slower at 170."""
     chunks = triton.cdiv(d, 256)
     e_blocks = triton.cdiv(e, 8)
     split = max(s for s in range(1, chunks + 1) if chunks % s == 0 and e_blocks * s <= max(
