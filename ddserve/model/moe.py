@@ -96,7 +96,10 @@ class Router(nn.Module):
             return w  # the torch router (route_ref) reads the fp32 gate
         key = (w.data_ptr(), w._version)
         if self._bf16 is None or self._bf16[0] != key:
-            if torch.cuda.is_current_stream_capturing():  # no sync in a capture: fp32 this time
+            if torch.cuda.is_current_stream_capturing():
+                # no exactness check (a sync) inside a capture: this weight version keeps the
+                # fp32 gate everywhere, so captured and eager forwards route alike
+                self._bf16 = (key, None)
                 return w
             with torch.no_grad():
                 w16 = w.to(torch.bfloat16)
