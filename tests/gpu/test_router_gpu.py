@@ -192,3 +192,34 @@ def test_model_router_reads_an_exact_bf16_copy_of_its_gate() -> None:
         assert r.gate_for(x) is r.weight
     with backend.invariant_mode(False):
         assert r.gate_for(x) is r.weight
+
+
+def test_a_first_gate_use_inside_a_capture_keeps_the_fp32_gate_everywhere() -> None:
+    """No exactness check can run inside a CUDA-graph capture: the captured forward reads the fp32
+    gate, and so do the eager forwards after it, until the gate is written again."""
+    from ddserve.config import ModelConfig
+    from ddserve.model.moe import Router
+
+    e, _ = CASES["k26"]
+    cfg = ModelConfig.from_hf(dict(hidden_size=D, n_routed_experts=e, num_experts_per_tok=8,
+                                   n_group=1, topk_group=1))  # fmt: skip
+    r = Router(cfg, torch.bfloat16, "cuda")
+    x, w, b = inputs(e, seed=9)
+    with torch.no_grad():
+        r.weight.copy_(w.bfloat16().float())
+        r.e_score_correction_bias.copy_(b)
+    static = x[:5].clone()
+    with backend.invariant_mode(True):
+        router.route(static, r.weight, b, r.params)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = r(static)
+        graph.replay()
+        assert r.gate_for(static) is r.weight
+        eager = r(static)
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+        with torch.no_grad():
+            r.weight.add_(0.0)  # a write: the next eager use checks again
+        assert r.gate_for(static).dtype == torch.bfloat16
+    del graph
