@@ -88,7 +88,9 @@ def _targets(model: DeepseekV3ForCausalLM) -> dict[str, _Target]:
     out: dict[str, _Target] = {}
     for name, p in model.named_parameters():
         if ".mlp.experts." not in name:
-            out[name] = _Target(p.data, _full_shape(p.shape, split_dim(name), world))
+            # the parameter itself (not p.data): a load bumps its version, which caches
+            # derived from it (`moe.Router.gate_for`) check
+            out[name] = _Target(p, _full_shape(p.shape, split_dim(name), world))
     for name, mod in model.named_modules():
         if name.endswith(".mlp.experts"):
             out.update(_expert_targets(name, mod, cfg, world))
@@ -171,7 +173,8 @@ def _load_one(sl, name: str, target: _Target, rank: int) -> None:
         if tuple(t.tolist()) != target.value:
             raise CheckpointError(f"{name}: value {t.tolist()}, expected {list(target.value)}")
         return
-    target.dest.copy_(t)
+    with torch.no_grad():
+        target.dest.copy_(t)
 
 
 def load_model(

@@ -82,6 +82,8 @@ class Router(nn.Module):
         self.e_score_correction_bias = empty_param((e,), torch.float32, device)
         self.params = RoutingParams.from_config(cfg)
         self._bf16: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self._fp32_captured = False  # a capture read the fp32 gate: every forward keeps it
+        self._retired: list[torch.Tensor] = []  # copies a captured graph may still read
 
     def gate_for(self, x: torch.Tensor) -> torch.Tensor:
         """The gate the router reads for `x`. For bf16 x on the fused router (CUDA, batch-
@@ -89,23 +91,43 @@ class Router(nn.Module):
         (checkpoints store the gate in bf16, so the fp32 parameter is a widening); the fused
         router then reads half the bytes and runs bf16 tensor-core products, which are exact
         (`kernels/router.py`). Otherwise `weight` itself. The copy costs half the fp32 gate's
-        memory (5.5 MB per layer at K2.6's tp = 8 shapes) and is rebuilt when `weight` is
-        written (its version changes)."""
+        memory (5.5 MB per layer at K2.6's tp = 8 shapes).
+
+        After `weight` is written (its version changes; the loader writes through the
+        parameter) the copy is checked again and refreshed in place, so CUDA graphs captured
+        on it read the new gate. A first use inside a capture (no exactness check can run
+        there) makes this router read the fp32 gate from then on, eager or captured. If a write
+        leaves values that bf16 cannot hold, eager forwards read the fp32 gate while graphs
+        captured on the copy still read it: recapture them."""
         w = self.weight
-        if x.dtype != torch.bfloat16 or w.device.type != "cuda" or not backend.batch_invariant():
+        on_fused = x.dtype == torch.bfloat16 and w.device.type == "cuda"
+        on_fused = on_fused and backend.batch_invariant() and not w.is_inference()
+        if not on_fused or self._fp32_captured:  # (inference tensors have no version)
             return w  # the torch router (route_ref) reads the fp32 gate
         key = (w.data_ptr(), w._version)
         if self._bf16 is None or self._bf16[0] != key:
             if torch.cuda.is_current_stream_capturing():
-                # no exactness check (a sync) inside a capture: this weight version keeps the
-                # fp32 gate everywhere, so captured and eager forwards route alike
-                self._bf16 = (key, None)
-                return w
-            with torch.no_grad():
-                w16 = w.to(torch.bfloat16)
-                exact = bool(torch.equal(w16.float(), w))
-            self._bf16 = (key, w16 if exact else None)
+                if self._bf16 is None or self._bf16[1] is None:
+                    self._fp32_captured = True
+                    return w
+                raise RuntimeError(
+                    "the router gate was written since its bf16 copy was made; run one eager "
+                    "forward before capturing CUDA graphs"
+                )
+            self._bf16 = (key, self._bf16_copy(w))
         return w if self._bf16[1] is None else self._bf16[1]
+
+    @torch.no_grad()
+    def _bf16_copy(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The exact bf16 copy of w (written into the previous copy when there is one), or None."""
+        w16 = w.to(torch.bfloat16)
+        exact = torch.equal(w16.float(), w)
+        old = None if self._bf16 is None else self._bf16[1]
+        if exact and old is not None and old.shape == w16.shape and old.device == w16.device:
+            return old.copy_(w16)
+        if old is not None:
+            self._retired.append(old)
+        return w16 if exact else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> topk_ids [T, k] int64, topk_weights [T, k] float32."""

@@ -194,9 +194,7 @@ def test_model_router_reads_an_exact_bf16_copy_of_its_gate() -> None:
         assert r.gate_for(x) is r.weight
 
 
-def test_a_first_gate_use_inside_a_capture_keeps_the_fp32_gate_everywhere() -> None:
-    """No exactness check can run inside a CUDA-graph capture: the captured forward reads the fp32
-    gate, and so do the eager forwards after it, until the gate is written again."""
+def _k26_router(seed: int):
     from ddserve.config import ModelConfig
     from ddserve.model.moe import Router
 
@@ -204,22 +202,59 @@ def test_a_first_gate_use_inside_a_capture_keeps_the_fp32_gate_everywhere() -> N
     cfg = ModelConfig.from_hf(dict(hidden_size=D, n_routed_experts=e, num_experts_per_tok=8,
                                    n_group=1, topk_group=1))  # fmt: skip
     r = Router(cfg, torch.bfloat16, "cuda")
-    x, w, b = inputs(e, seed=9)
+    x, w, b = inputs(e, seed=seed)
     with torch.no_grad():
         r.weight.copy_(w.bfloat16().float())
         r.e_score_correction_bias.copy_(b)
+    return r, x, w
+
+
+def _capture(r, static):
+    router.route(static, r.weight, r.e_score_correction_bias, r.params)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = r(static)
+    return graph, out
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_a_gate_written_after_capture_routes_alike_in_graph_and_eager(monkeypatch) -> None:
+    """Eager first (the bf16 copy), then a capture, then new bf16-valued gate values written in
+    place: the copy is refreshed in place, so the graph's replay equals the eager forward."""
+    r, x, w = _k26_router(seed=10)
     static = x[:5].clone()
     with backend.invariant_mode(True):
-        router.route(static, r.weight, b, r.params)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = r(static)
-        graph.replay()
-        assert r.gate_for(static) is r.weight
-        eager = r(static)
-        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+        r(static)
+        graph, captured = _capture(r, static)
         with torch.no_grad():
-            r.weight.add_(0.0)  # a write: the next eager use checks again
+            r.weight.copy_((w * 1.5).bfloat16().float())
+        eager = r(static)
         assert r.gate_for(static).dtype == torch.bfloat16
+        graph.replay()
+        assert _same(captured, eager)
+        with torch.no_grad():
+            r.weight.add_(0.0)  # written since the copy: using it in a capture is an error
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="eager forward"):
+            r.gate_for(static)
+    del graph
+
+
+def test_a_first_gate_use_inside_a_capture_keeps_the_fp32_gate_everywhere() -> None:
+    """No exactness check can run inside a capture: the captured forward reads the fp32 gate,
+    and so does every forward after it, also after the gate is written."""
+    r, x, w = _k26_router(seed=9)
+    static = x[:5].clone()
+    with backend.invariant_mode(True):
+        graph, captured = _capture(r, static)
+        assert r.gate_for(static) is r.weight
+        with torch.no_grad():
+            r.weight.copy_((w * 1.5).bfloat16().float())
+        assert r.gate_for(static) is r.weight
+        graph.replay()
+        assert _same(captured, r(static))
     del graph

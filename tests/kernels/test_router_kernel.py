@@ -250,3 +250,19 @@ def test_bench_smoke_run_writes_its_json(tmp_path) -> None:
 if __name__ == "__main__":  # the interpreter subprocess
     patch_interpreter()
     print(json.dumps(_run_checks()))
+
+
+def test_loading_a_checkpoint_writes_through_the_parameters(tmp_path) -> None:
+    """The loader writes through each parameter (not its .data), so a reload bumps the version
+    that caches derived from a weight check (`Router.gate_for`'s bf16 copy)."""
+    from ddserve.model.loader import load_checkpoint, load_model
+    from ddserve.model.moe import Router
+    from ddserve.model.tiny import write_tiny
+
+    path = write_tiny(tmp_path, seed=4)
+    model, _ = load_model(path, dtype=torch.float32, progress=False)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert routers
+    before = [r.weight._version for r in routers]
+    load_checkpoint(model, path, progress=False)
+    assert all(r.weight._version > v for r, v in zip(routers, before, strict=True))
