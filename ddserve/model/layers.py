@@ -36,6 +36,9 @@ def share_rows(*layers: nn.Module) -> None:
     """Make the layers' [N_i, K] weights views of one [sum N_i, K] buffer, back to back, so that
     one matmul can compute all of them (`stacked_rows`); the loader copies into them in place."""
     ws = [m.weight for m in layers]
+    kinds = {(w.shape[1:], w.dtype, w.device) for w in ws}
+    if len(kinds) != 1:
+        raise ValueError(f"share_rows: weights differ in width, dtype or device: {kinds}")
     buf = torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], dtype=ws[0].dtype,
                       device=ws[0].device)  # fmt: skip
     row = 0

@@ -116,3 +116,10 @@ def test_down_projections_share_one_buffer_filled_by_the_loader(tiny_model_dir):
     attn.kv_a_proj_with_mqa.weight = torch.nn.Parameter(saved.clone(), requires_grad=False)
     assert stacked_rows(attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight) is None
     attn.kv_a_proj_with_mqa.weight = saved
+
+
+def test_share_rows_refuses_weights_of_other_widths():
+    from ddserve.model.layers import Linear, share_rows
+
+    with pytest.raises(ValueError, match="width"):
+        share_rows(Linear(8, 4, torch.float32, "cpu"), Linear(6, 4, torch.float32, "cpu"))

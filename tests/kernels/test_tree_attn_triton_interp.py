@@ -148,4 +148,4 @@ def test_row_tile_is_small_for_decode_and_small_grids():
     assert row_tile(nblocks=10, q_max=17, heads=8, nsplit=9, bm=32) == 32
     assert row_tile(nblocks=1, q_max=17, heads=8, nsplit=65, bm=32) == 16  # 16k slots
     assert row_tile(nblocks=2, q_max=17, heads=8, nsplit=65, bm=32) == 32
-    assert row_tile(nblocks=1, q_max=1, heads=8, nsplit=9, bm=8) == 8  # never above the config's
+    assert row_tile(nblocks=1, q_max=1, heads=8, nsplit=9, bm=16) == 16
