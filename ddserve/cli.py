@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from ddserve.engine.config import EngineConfig
@@ -140,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if importlib.util.find_spec("torch") is None:  # every command runs the model
+        print(f"ddserve: PyTorch is not installed in this Python ({sys.executable}). Install it "
+              "first (on a CPU machine: pip install torch==2.13.0; see the README), then run "
+              "the command again.", file=sys.stderr)  # fmt: skip
+        return 2
     module, func = args.run.split(":")
     target = getattr(__import__(module, fromlist=[func]), func)
     return int(target(args) or 0)

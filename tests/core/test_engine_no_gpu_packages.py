@@ -66,3 +66,19 @@ def test_generate_runs_with_gpu_packages_unimportable(tiny_int4_model_dir: Path)
     assert ar == ddtree
     stats = [ln for ln in proc.stderr.splitlines() if "tokens/step" in ln]
     assert len(stats) == 2 and "8 tokens" in stats[1], proc.stderr[-2000:]
+
+
+def test_without_torch_the_command_says_how_to_install_it(monkeypatch, capsys) -> None:
+    """Every subcommand runs the model: with no torch importable, `ddserve` exits 2 with the
+    install step instead of a traceback from deep inside the engine."""
+    import importlib.util
+
+    from ddserve import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    assert cli.main(["generate", "--prompt", "def f():"]) == 2
+    err = capsys.readouterr().err
+    assert "PyTorch is not installed" in err and "pip install torch==2.13.0" in err
