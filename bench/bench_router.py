@@ -104,15 +104,11 @@ def variants(args, e: int, d: int) -> dict:
     }
     if not args.smoke:  # the interpreter's dot mis-reads bf16 operands (the tests patch it)
         out["fused:bf16"] = lambda x, w, b, p: router.route(x, w, b, p)
-    for bt, be, bk, u, s, wp, mma in SWEEP if args.sweep else []:
+    sweep = [(c, "") for c in SWEEP] + [(c, ":bf16") for c in SWEEP_BF16]
+    for (bt, be, bk, u, s, wp, mma), gate in sweep if args.sweep else []:
         split = s or router.router_config(e, d).split
         cfg = router.RouterConfig(bt, be, bk, u, split, wp, mma)
-        name = f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}" + ":mma" * mma
-        out[name] = lambda x, w, b, p, cfg=cfg: router.route(x, w, b, p, cfg)
-    for bt, be, bk, u, s, wp, mma in SWEEP_BF16 if args.sweep else []:
-        split = s or router.router_config(e, d).split
-        cfg = router.RouterConfig(bt, be, bk, u, split, wp, mma)
-        name = f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}:mma:bf16"
+        name = f"fused:{bt}x{be}x{bk}x{u}/{split}/{wp}" + ":mma" * mma + gate
         out[name] = lambda x, w, b, p, cfg=cfg: router.route(x, w, b, p, cfg)
     return out
 
