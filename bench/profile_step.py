@@ -15,14 +15,19 @@ For each configuration (AR at each --batches, DDTree verify of --budget at each 
 4. floors: bytes the category must read (weights; distinct routed experts measured by routing;
    KV latents of every key) over the measured copy bandwidth.
 JSON per configuration: categories (us per step, kernels, floor us), the top kernels, kernels per
-layer, the graph's wall time and its gaps between kernels. On CPU there is no graph: leaf CPU
-ops stand in for kernels (a smoke run of the attribution code).
+layer, the graph's wall time and its gaps between kernels. --variants profiles each configuration
+under several kernel launch variants in one process (same weights, same inputs): "default"
+(programmatic dependent launch with the matmuls' weight prefetch), "no-prefetch" and "no-pdl".
+With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
+duration includes that wait: compare variants by the replay's wall time. On CPU there is no
+graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -40,7 +45,9 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend  # noqa: E402
+from ddserve.kernels import backend, invariant  # noqa: E402
+
+VARIANTS = ("default", "no-prefetch", "no-pdl")
 
 CATEGORIES = (
     "tree attention",
@@ -292,6 +299,20 @@ def use_router_fma() -> None:
     router.router_config = lambda e, d: router.RouterConfig(16, 8, 64, 4, base(e, d).split, 4)
 
 
+@contextlib.contextmanager
+def variant(runner, name: str):
+    """The runner's kernel configuration and the matmul prefetch set for one launch variant."""
+    kernels, prefetch = runner.kernels, invariant.PREFETCH_BYTES
+    if name == "no-pdl":
+        runner.kernels = dataclasses.replace(kernels, pdl=False)
+    elif name == "no-prefetch":
+        invariant.PREFETCH_BYTES = 0
+    try:
+        yield
+    finally:
+        runner.kernels, invariant.PREFETCH_BYTES = kernels, prefetch
+
+
 def capture_inputs(bench, sids: list[int], budget: int | None, depth: int) -> tuple:
     """The engine's own forward inputs of one AR step (budget None) or one DDTree verify."""
     sink: list = []
@@ -321,8 +342,17 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="the router's gate as fp32 FMA chains (16x8 tiles) instead of the tensor-core default",
     )
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help=f"comma list of kernel launch variants profiled per configuration, of {VARIANTS}",
+    )
     ap.add_argument("--out", default=None, help="JSON output path (default: print)")
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose from {VARIANTS}")
     budget = args.budget or (4 if args.small else 16)
     if args.router_fma:
         use_router_fma()
@@ -367,17 +397,20 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for kind, c in [("ar", c) for c in ea.batches] + [("ddtree", c) for c in ea.batches]:
         sids = bench.sids[:c]
-        try:
-            inputs = capture_inputs(bench, sids, None if kind == "ar" else budget, ea.depth)
-            res = profile_forward(runner, inputs, args, recorder, bw)
-        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the rest
-            report["configs"].append(dict(kind=kind, batch=c, error=f"{type(e).__name__}: {e}"))
-            print(f"{kind} C={c}: {type(e).__name__}: {e}", flush=True)
-            continue
-        res.update(kind=kind, batch=c, tokens=int(inputs[0].numel()))
-        report["configs"].append(res)
-        print_config(res)
-        write_json(args.out, report) if args.out else None
+        for name in variants:
+            try:
+                inputs = capture_inputs(bench, sids, None if kind == "ar" else budget, ea.depth)
+                with variant(runner, name):
+                    res = profile_forward(runner, inputs, args, recorder, bw)
+            except Exception as e:  # noqa: BLE001 - a failed configuration must not lose the rest
+                err = f"{type(e).__name__}: {e}"
+                report["configs"].append(dict(kind=kind, batch=c, variant=name, error=err))
+                print(f"{kind} C={c} {name}: {err}", flush=True)
+                continue
+            res.update(kind=kind, batch=c, variant=name, tokens=int(inputs[0].numel()))
+            report["configs"].append(res)
+            print_config(res)
+            write_json(args.out, report) if args.out else None
     if args.out is None:
         print(json.dumps(report, indent=1))
     return report
@@ -386,10 +419,11 @@ def main(argv: list[str] | None = None) -> dict:
 def print_config(res: dict) -> None:
     view = res.get("graph") or res["eager"]
     mode = "graph" if "graph" in res else "eager"
+    wall = f", replay wall {view['wall_us']:.0f} us" if "wall_us" in view else ""
     print(
-        f"\n{res['kind']} C={res['batch']} ({res['tokens']} tokens), {mode}: "
+        f"\n{res['kind']} C={res['batch']} {res['variant']} ({res['tokens']} tokens), {mode}: "
         f"{view['kernel_us']:.0f} us kernels, {view['kernels']} kernels "
-        f"({view['kernels_per_layer']:.1f}/layer)",
+        f"({view['kernels_per_layer']:.1f}/layer){wall}",
         flush=True,
     )
     for cat, v in sorted(view["categories"].items(), key=lambda kv: -kv[1]["us"]):

@@ -16,9 +16,9 @@
 #   serve       `ddserve serve` on every GPU (needs Ray): streaming curl, load test, /metrics,
 #               clean shutdown; extra args go to `ddserve serve`
 #   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
-#   step        one call after a step-kernel change: the router/fused/dense/engine GPU tests, the
-#               engine bench, the router sweep, tree attention by tile configuration
-#               (extra args: pytest -k)
+#   step        one call after a step-kernel change: the PDL/router/fused/dense/engine/MoE GPU
+#               tests, then the forward profile under each kernel launch variant (extra args:
+#               pytest -k); the engine bench is `engine` mode
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,18 +97,13 @@ case "$MODE" in
       --plot "$OUT/eval_pair_h200.png" "$@"
     ;;
   step)
-    step pytest_step 170 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_router_gpu.py \
-      tests/gpu/test_fused_gpu.py tests/gpu/test_invariant_gpu.py tests/gpu/test_engine_gpu.py \
-      ${1:+-k "$1"}
-    # perfect oracle (16 tokens per step) and corrupt 0.19 on a chain (~5 committed per step)
-    step engine 160 python3 bench/bench_engine.py --batches 1,5,10 --budgets 16 --corrupt 0,0.19 \
-      --cuda-graphs --steps 4 --max-seconds 130 --out "$OUT/engine.json"
-    step router 80 python3 bench/bench_router.py --sweep --out "$OUT/router.json"
-    step tree_attn 130 python3 bench/bench_tree_attn.py --prefixes 1024,8192 --streams 1,10 \
-      --budgets 0,16 --pad-pow2 --out "$OUT/tree_attn.json" --splits "256/64,\
-SPLIT=256/BN=64/BM=16/num_warps=4,SPLIT=256/BN=64/BM=16/num_warps=8,SPLIT=256/BN=64/num_warps=4,\
-SPLIT=256/BN=64/num_stages=2,SPLIT=128/BN=64/BM=16/num_warps=4,\
-SPLIT=256/BN=128/BM=16/num_warps=8/num_stages=2"
+    step pytest_step 250 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_pdl_gpu.py \
+      tests/gpu/test_router_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_invariant_gpu.py \
+      tests/gpu/test_engine_gpu.py tests/gpu/test_moe_v3.py ${1:+-k "$1"}
+    # one forward per configuration under each launch variant (PDL with and without the matmul
+    # prefetch, plain launches), same weights and inputs: compare the replays' wall times
+    step profile 300 python3 bench/profile_step.py --batches 1,10 \
+      --variants default,no-prefetch,no-pdl --out "$OUT/profile.json"
     ;;
 esac
 [ -n "${DRY:-}" ] || tail -c 11000 "$LOG"

@@ -13,7 +13,10 @@ MOE_VARIANTS = ("v2", "v3")
 # Every environment variable that changes which kernels run, with what it sets.
 ENV_OVERRIDES = {
     "DDSERVE_MOE_VARIANT": "moe_variant: v2 or v3 for every MoE call (no v3 -> v2 fallback)",
+    "DDSERVE_PDL": "pdl: 0 launches every kernel in plain stream order (no programmatic "
+    "dependent launch)",
 }
+OFF = ("0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,9 @@ class KernelConfig:
     batch_invariant: bool = False
     # the routed-experts kernel; None: v3 where it applies (CUDA, INT4, bf16 scales), else v2
     moe_variant: str | None = None
+    # programmatic dependent launch on sm_90+ (pdl.py): a kernel starts while its predecessor
+    # finishes; the arithmetic is the same either way
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_variant is not None and self.moe_variant not in MOE_VARIANTS:
@@ -38,4 +44,5 @@ class KernelConfig:
         """The configuration from explicit arguments; `env` (ENV_OVERRIDES) fills what they
         leave open."""
         variant = moe_variant or env.get("DDSERVE_MOE_VARIANT") or None
-        return cls(batch_invariant=bool(batch_invariant), moe_variant=variant)
+        pdl = env.get("DDSERVE_PDL", "1").strip().lower() not in OFF
+        return cls(batch_invariant=bool(batch_invariant), moe_variant=variant, pdl=pdl)

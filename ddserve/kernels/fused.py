@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ddserve.kernels import pdl
 from ddserve.kernels.invariant import _canonical, _interpreting
+from ddserve.kernels.pdl import begin as pdl_begin
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -41,8 +43,11 @@ def _rms_row(x, w_ptr, cols, ok, D, eps, dtype: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, D, sx, sr, eps, BLOCK: tl.constexpr):
+def _add_rms_kernel(
+    x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, D, sx, sr, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """s = x + residual; y = rms_norm(s) * w; one program per row; s and y contiguous [M, D]."""
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     ok = cols < D
@@ -67,8 +72,9 @@ def add_rms_norm(
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         _add_rms_kernel[(x2.shape[0],)](
-            x2, r2, weight, s, y, d, sx, sr, eps, BLOCK=block, num_warps=_rms_warps(block)
-        )
+            x2, r2, weight, s, y, d, sx, sr, eps, BLOCK=block, num_warps=_rms_warps(block),
+            **pdl.launch_options(x.device),
+        )  # fmt: skip
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -112,9 +118,11 @@ def _mla_rope_cache_kernel(
     R, H, skv, scache, sq, sqh, eps,
     Q_OFF: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Token row t: cache[slots[t]] = [rms_norm(kv[t, :R]) | rope(kv[t, R:])] in the cache's
     dtype; qpe[t] = rope(q[t, :, Q_OFF:]) [H, P]. cos/sin and qpe are contiguous."""
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + row * skv
     # kv_a_layernorm of c_kv: `invariant._rms_kernel` on a row of R (same BLOCK and warps)
@@ -171,14 +179,18 @@ def mla_rope_cache(
             Q_OFF=qd - p, P=p, BLOCK_P=triton.next_power_of_2(p), BLOCK_R=block_r,
             BLOCK_H=triton.next_power_of_2(heads), INTERLEAVE=interleave,
             INTERPRET=_interpreting(), num_warps=_rms_warps(block_r),
+            **pdl.launch_options(q.device),
         )  # fmt: skip
     return q_pe
 
 
 @triton.jit(do_not_specialize=["M"])
-def _silu_mul_kernel(gu_ptr, y_ptr, M, N, sg, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr, y_ptr, M, N, sg, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr
+):
     """y[m, i] = round(round(silu(gu[m, i])) * gu[m, N + i]) for i < N (the intermediate size);
     program (row, column block)."""
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = cols < N
@@ -204,6 +216,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     if gu2.shape[0]:
         grid = (gu2.shape[0], triton.cdiv(inner, 1024))
         _silu_mul_kernel[grid](
-            gu2, y, gu2.shape[0], inner, gu2.stride(0), BLOCK=1024, INTERPRET=_interpreting()
-        )
+            gu2, y, gu2.shape[0], inner, gu2.stride(0), BLOCK=1024, INTERPRET=_interpreting(),
+            **pdl.launch_options(gu.device),
+        )  # fmt: skip
     return y.view(*gu.shape[:-1], inner)

@@ -37,7 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.kernels import pdl
 from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
+from ddserve.kernels.pdl import begin as pdl_begin
+from ddserve.kernels.pdl import prefetch_l2
+
+# L2 prefetch per matmul program before its PDL wait: the first lines of its weight rows, at
+# most this many bytes (0: none). The programs resident while the previous kernel finishes
+# (up to ~2 per SM) then start on warm lines; the cap keeps the lm_head's from flooding L2.
+PREFETCH_BYTES = 32 << 10
 
 
 def _interpreting() -> bool:
@@ -50,7 +58,8 @@ def _mm_kernel(
     sxm, sxh, sxk, swh, swk, swn, sps, sym, syh, syn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, REDUCE: tl.constexpr,
+    INTERPRET: tl.constexpr, REDUCE: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """y[m, h, n] = sum over k of x[m, h, k] * w[h, k, n]; program (m tile, n tile, head * SPLIT +
     s) accumulates split s's K range in fp32. SPLIT = 1: rounds to y's dtype and stores y.
@@ -58,7 +67,10 @@ def _mm_kernel(
     REDUCE, the tile's last program to take a ticket (ticket[tile] counts arrivals, and is reset
     to 0 by that program) sums part[0] + part[1] + ... in split order, rounds once and stores y;
     without REDUCE, `_sum_splits_kernel` does the same sum in a second launch.
-    K is a constexpr (fixed per weight; a runtime loop bound does not run in the interpreter)."""
+    K is a constexpr (fixed per weight; a runtime loop bound does not run in the interpreter).
+    PF_LINES > 0 (PDL launches of weights contiguous along K): before waiting for the previous
+    kernel, the program asks L2 for the first PF_LINES 128-byte lines (PF_STEP elements each)
+    of each of its weight columns' K range."""
     pid_m, pid_n, pid_hs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h, s = pid_hs // SPLIT, pid_hs % SPLIT
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -67,6 +79,11 @@ def _mm_kernel(
     m_ok, n_ok = rm < M, rn < N
     x_rows = x_ptr + h.to(tl.int64) * sxh + rm.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_cols = w_ptr + h.to(tl.int64) * swh + rn.to(tl.int64)[None, :] * swn  # [1, BN]
+    if PF_LINES > 0:  # weights: no kernel of the forward writes them
+        kl = s * K_PER + tl.arange(0, PF_LINES) * PF_STEP  # [L] first element of each line
+        ok = (kl < K)[:, None] & n_ok[None, :]
+        prefetch_l2(tl.where(ok, w_cols + kl[:, None] * swk, w_ptr))  # [L, BN]
+    pdl_begin(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, K_PER, BLOCK_K):
         kk = s * K_PER + i + rk  # [BK]
@@ -99,9 +116,12 @@ def _mm_kernel(
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(ws_ptr, y_ptr, numel, sws, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    ws_ptr, y_ptr, numel, sws, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """y = ws[0] + ws[1] + ... in that order (fp32), rounded once to y's dtype: `_mm_kernel`'s
     in-kernel sum as a second launch (benchmarks and tests compare the two)."""
+    pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = offs < numel
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
@@ -201,16 +221,23 @@ def _launch(
         part_stride = triton.cdiv(y.numel(), 16) * 16
         scratch = _SCRATCH.setdefault(y.device, _Scratch())
         part, tickets = scratch.take(split * part_stride, grid[0] * grid[1] * heads, y.device)
+    launch = pdl.launch_options(x.device)
+    pf_step = 128 // w.element_size()  # elements per 128-byte line
+    pf_lines = 0
+    if launch["PDL"] and PREFETCH_BYTES and ws[1] == 1:  # K-contiguous weight rows
+        pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), PREFETCH_BYTES // (
+            128 * bn))  # fmt: skip
     _mm_kernel[grid](
         x, w, y, part, tickets, m, n, k, *xs, *ws, part_stride, *ys,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, K_PER=k_per,
         FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
-        REDUCE=not two_launch, num_warps=cfg.warps, num_stages=cfg.stages,
+        REDUCE=not two_launch, PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=cfg.warps,
+        num_stages=cfg.stages, **launch,
     )  # fmt: skip
     if split > 1 and two_launch:
         numel = y.numel()
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](
-            part, y, numel, part_stride, SPLIT=split, BLOCK=1024
+            part, y, numel, part_stride, SPLIT=split, BLOCK=1024, **launch
         )
 
 
@@ -250,7 +277,8 @@ def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK: tl.constexpr):
+def _rms_kernel(x_ptr, w_ptr, y_ptr, D, sx, sy, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     ok = cols < D
@@ -274,7 +302,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         block = triton.next_power_of_2(d)
         warps = 4 if block <= 4096 else 8
-        _rms_kernel[(x2.shape[0],)](x2, weight, y, d, sx, d, eps, BLOCK=block, num_warps=warps)
+        _rms_kernel[(x2.shape[0],)](
+            x2, weight, y, d, sx, d, eps, BLOCK=block, num_warps=warps,
+            **pdl.launch_options(x.device),
+        )  # fmt: skip
     return y.view(x.shape)
 
 
@@ -284,9 +315,12 @@ def _col(p, j: tl.constexpr, ok, K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "sx"])
-def _row_sum8_kernel(x_ptr, y_ptr, M, sx, K: tl.constexpr, BLOCK_M: tl.constexpr):
+def _row_sum8_kernel(
+    x_ptr, y_ptr, M, sx, K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr
+):
     """y[m] = ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)) over a row of K <= 8 fp32 values
     (zeros past K): `invariant_ref.fixed_order_sum`'s pairwise tree, in one launch."""
+    pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     ok = rows < M
     p = x_ptr + rows.to(tl.int64) * sx  # [BM]
@@ -307,5 +341,7 @@ def row_sum8(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape[0], 1, dtype=x.dtype, device=x.device)  # [M, 1]
     if x2.shape[0]:
         grid = (triton.cdiv(x2.shape[0], 128),)
-        _row_sum8_kernel[grid](x2, y, x2.shape[0], x2.stride(0), K=k, BLOCK_M=128)
+        _row_sum8_kernel[grid](
+            x2, y, x2.shape[0], x2.stride(0), K=k, BLOCK_M=128, **pdl.launch_options(x.device)
+        )
     return y.view(*x.shape[:-1], 1)

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.kernels import pdl
+from ddserve.kernels.pdl import begin as pdl_begin
+
 log = logging.getLogger(__name__)
 
 MAX_PAIRS = 8192  # the MoE chunks its calls at 1024 tokens x top-8
@@ -61,7 +64,9 @@ def _fill(pairs_ptr, bexp_ptr, lo, hi, num_pairs, num_experts, num_blocks, FILL:
 # the sizes are not specialized (divisible by 16, == 1): one compile per (CH, E2) bucket
 @triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_blocks", "num_rows"])
 def _count_kernel(ids_ptr, counts_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts, num_blocks,
-                  num_rows, CH: tl.constexpr, E2: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+                  num_rows, CH: tl.constexpr, E2: tl.constexpr, FILL: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     c = tl.program_id(0)
     i, valid, e = _chunk_ids(ids_ptr, c, num_pairs, CH)
     hist = tl.histogram(e, E2, mask=valid)  # [E2] pairs of this chunk per expert
@@ -77,7 +82,8 @@ def _count_kernel(ids_ptr, counts_ptr, pairs_ptr, bexp_ptr, num_pairs, num_exper
 def _place_kernel(ids_ptr, counts_ptr, scratch_ptr, pairs_ptr, bexp_ptr, num_pairs, num_experts,
                   num_blocks, num_rows, num_chunks, BM: tl.constexpr, CH: tl.constexpr,
                   E2: tl.constexpr, NC2: tl.constexpr, FILL: tl.constexpr, ONE: tl.constexpr,
-                  COLS: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+                  COLS: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     c = tl.program_id(0)
     i, valid, e = _chunk_ids(ids_ptr, c, num_pairs, CH)
     x = tl.arange(0, E2)  # [E2] expert
@@ -199,13 +205,16 @@ def align_by_expert_triton(
     nc, e2, count_meta, place_meta = launch_plan(p, num_experts, bm, chunk, num_warps)
     sizes = (p, num_experts, nb, nb * bm)
     counts = torch.empty(nc, num_experts, dtype=torch.int16, device=dev)  # [NC, E]
+    launch = pdl.launch_options(dev)
     if nc > 1:
-        _count_kernel[(nc,)](flat, counts, sorted_pairs, block_expert, *sizes, **count_meta)
+        _count_kernel[(nc,)](
+            flat, counts, sorted_pairs, block_expert, *sizes, **count_meta, **launch
+        )
 
     def place(use_gather: bool) -> None:
         scratch = counts if use_gather else torch.empty(nc, e2, dtype=torch.int32, device=dev)
         _place_kernel[(nc,)](flat, counts, scratch, sorted_pairs, block_expert, *sizes, nc,
-                             **place_meta, GATHER=use_gather)  # fmt: skip
+                             **place_meta, GATHER=use_gather, **launch)  # fmt: skip
 
     if gather is None and GATHER_ERROR is None:
         try:

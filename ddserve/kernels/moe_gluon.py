@@ -112,7 +112,7 @@ def _w4_gemm_kernel(
     stride_x, stride_os, stride_or, expert_words, expert_scales,
     TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
-    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr,
+    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
@@ -127,6 +127,11 @@ def _w4_gemm_kernel(
     s_l: gl.constexpr = gl.BlockedLayout([2 * NREP], [32], [W], [0])
     x_l: gl.constexpr = _x_layout(W, BM)
 
+    if PDL:  # `pdl.begin`: wait for the previous kernel, then let the next one be scheduled
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
     pid = gl.program_id(0)
     pid_m = pid % num_mblocks
     rest = pid // num_mblocks

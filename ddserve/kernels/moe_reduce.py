@@ -13,10 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ddserve.kernels.pdl import begin as pdl_begin
+
 
 @triton.jit
 def _silu_kernel(part_ptr, h_ptr, bexp_ptr, num_experts, N_half, stride_ps, stride_pr, stride_h,
-                 SPLIT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+                 SPLIT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(bexp_ptr + pid_m)
     if e >= num_experts:
@@ -35,7 +39,10 @@ def _silu_kernel(part_ptr, h_ptr, bexp_ptr, num_experts, N_half, stride_ps, stri
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, N, stride_y, stride_o, TOPK: tl.constexpr, BC: tl.constexpr):
+def _combine_kernel(
+    y_ptr, out_ptr, N, stride_y, stride_o, TOPK: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m = c < N

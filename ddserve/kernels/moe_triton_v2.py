@@ -254,7 +254,7 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     if split > 1:
         _silu_kernel[(nb, triton.cdiv(inter, 64))](
             part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1), h.stride(0),
-            SPLIT=split, BM=bm, BC=64,
+            SPLIT=split, BM=bm, BC=64, PDL=False,
         )  # fmt: skip
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
     y = torch.empty(p, hidden, dtype=torch.float32, device=dev)  # [P, H] weighted, per pair
@@ -270,6 +270,6 @@ def _launch(x, topk_ids, topk_weights, w13, s13, w2, s2, int4: bool, cfg: dict) 
     _note_launch("down", k_down, grid_down, cfg["W2"])
     out = torch.empty_like(x)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
-        y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024
+        y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024, PDL=False
     )
     return out

@@ -18,6 +18,7 @@ import logging
 import torch
 import triton
 
+from ddserve.kernels import pdl
 from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert, align_by_expert_triton
 from ddserve.kernels.moe_common import num_sms
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
@@ -170,6 +171,7 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         x.stride(0), stride_os, stride_or, stream.words.stride(0), stream.scales.stride(0),
         TOPK=topk, GATHER=gather, W=stream.w, NREP=stream.nrep, BM=cfg["BM"], KS_TOTAL=ks,
         KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"], num_warps=stream.w,
+        **pdl.launch_options(x.device),
     )  # fmt: skip
     LAST_LAUNCH["down" if down else "up"] = dict(
         programs=grid, warps=stream.w, n_regs=getattr(k, "n_regs", None),
@@ -214,6 +216,7 @@ def fused_moe_v3(
     nb = block_expert.numel()
     xin = x.to(torch.bfloat16).contiguous()  # [T, H]
     dev = x.device
+    launch = pdl.launch_options(dev)
     split = _largest_divisor(w13.k_steps, cfg["SPLIT"])
     part = torch.empty(split, nb * bm, 2 * inter, dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
@@ -222,7 +225,7 @@ def fused_moe_v3(
     h = torch.empty(nb * bm, inter, dtype=torch.bfloat16, device=dev)  # [rows, I]
     _silu_kernel[(nb, triton.cdiv(inter, 64))](
         part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1), h.stride(0),
-        SPLIT=split, BM=bm, BC=64,
+        SPLIT=split, BM=bm, BC=64, **launch,
     )  # fmt: skip
     y = torch.empty(p, hidden, dtype=torch.float32, device=dev)  # [P, H] weighted, per pair
     if cfg["NT"] == "auto":
@@ -233,6 +236,6 @@ def fused_moe_v3(
           down=True, topk=topk)  # fmt: skip
     out = torch.empty_like(x)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
-        y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024
+        y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024, **launch
     )
     return out

@@ -34,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.kernels import pdl
 from ddserve.kernels.invariant import _canonical
+from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.router_ref import RoutingParams
 
 PROGRAMS_AT_T1 = 4 * 132  # gate programs to aim for at one token (an H200 has 132 SMs)
@@ -75,11 +77,13 @@ def _gate_partials_kernel(
     E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32; see the module
     docstring for the order; with MMA, one tensor-core product per BLOCK_K step added in K
     order: bf16 when x and w both are (BF16), else tf32x3). Program (expert block * SPLIT + s,
     token tile)."""
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     eb, s = pid // SPLIT, pid % SPLIT
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -183,9 +187,10 @@ def _select_kernel(
     part_ptr, bias_ptr, ids_ptr, wts_ptr, T, scaling,
     E_PAD: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     EG: tl.constexpr, EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr, NORM: tl.constexpr,
+    TOPK_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Token t's ids [TOPK] int64 and weights [TOPK] fp32 from its gate partials."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     N: tl.constexpr = G_PAD * EG_PAD  # key offsets: every expert index is < N
     part = part_ptr + t * (SPLIT * E_PAD)
@@ -263,17 +268,18 @@ def route(
     k_per = triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk
     part = torch.empty(t, cfg.split, e_pad, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(e, cfg.block_e) * cfg.split, triton.cdiv(t, cfg.block_t))
+    launch = pdl.launch_options(x.device)
     _gate_partials_kernel[grid](
         x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
         BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
         SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
-        BF16=x.dtype == weight.dtype == torch.bfloat16, num_warps=cfg.warps,
+        BF16=x.dtype == weight.dtype == torch.bfloat16, num_warps=cfg.warps, **launch,
     )  # fmt: skip
     eg = e // p.n_group
     _select_kernel[(t,)](
         part, bias, ids, wts, t, float(p.scaling), E_PAD=e_pad, SPLIT=cfg.split, G=p.n_group,
         G_PAD=triton.next_power_of_2(p.n_group), EG=eg, EG_PAD=triton.next_power_of_2(eg),
         TOPK_GROUP=p.topk_group, TOPK=k, TOPK_PAD=triton.next_power_of_2(k),
-        NORM=p.norm_topk_prob, num_warps=1,
+        NORM=p.norm_topk_prob, num_warps=1, **launch,
     )  # fmt: skip
     return ids, wts

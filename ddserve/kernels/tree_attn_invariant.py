@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.kernels import pdl
+from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.tree_attn import TreeAttnMeta
 
 
@@ -149,10 +151,11 @@ def _tree_attn_inv_kernel(
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows; the tail tiles are done once per token with that token's keys (same `_key_tile`)."""
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // tiles
@@ -213,13 +216,14 @@ def _tree_attn_inv_kernel(
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(
     po_ptr, plse_ptr, out_ptr, stride_ot, stride_oh, NSPLIT,
-    H: tl.constexpr, R: tl.constexpr, BS: tl.constexpr = 64,
+    H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, BS: tl.constexpr = 64,
 ):  # fmt: skip
     """Merge a row's split partials: m = the max of the log-sum-exps (exact in any order), then
     acc and the denominator summed in split order with weights exp2(lse - m). Empty splits
     (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
     splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
     branch in the loops: the partial loads are independent and pipeline."""
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
@@ -314,6 +318,7 @@ def tree_mla_attention_invariant(
         return out
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
+    launch = pdl.launch_options(q_latent.device)
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
         q_latent, q_rope, kv_cache, out, po, plse,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
@@ -322,8 +327,10 @@ def tree_mla_attention_invariant(
         kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:
-        _combine_kernel[(t * h,)](po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r)
+        _combine_kernel[(t * h,)](
+            po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r, **launch
+        )
     return out

@@ -185,5 +185,7 @@ def tree_mla_attention(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if nsplit > 1:
-        _combine_kernel[(t * h,)](po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r)
+        _combine_kernel[(t * h,)](
+            po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r, PDL=False
+        )
     return out

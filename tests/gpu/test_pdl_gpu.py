@@ -1,0 +1,68 @@
+"""Programmatic dependent launch on the GPU: it changes when kernels start, never what they compute.
+A forward replayed from a CUDA graph (and run eagerly) with PDL gives the same logits, bit for
+bit, as with DDSERVE_PDL=0; a race (a kernel reading its predecessor's output early) would not.
+Skipped without CUDA; the PDL runs are plain launches before sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddserve.engine.config import EngineConfig
+from ddserve.engine.runner import ModelRunner
+from ddserve.kernels import pdl
+from ddserve.model.tiny import make_tiny
+from ddserve.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "m", int4=True, seed=0)
+
+
+def _runner(model_dir, graphs: bool, on: bool, monkeypatch) -> ModelRunner:
+    monkeypatch.setenv("DDSERVE_PDL", "1" if on else "0")
+    cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
+    runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda")
+    assert runner.kernels.pdl == on
+    for i, p in enumerate(PROMPTS):
+        runner.add_stream(i, p, SamplingParams(max_tokens=24))
+    runner.prefill()
+    return runner
+
+
+def _logits(runner: ModelRunner, q: int, seed: int) -> torch.Tensor:
+    sts = [runner.streams[i] for i in range(len(PROMPTS))]
+    new = [runner.allocator.alloc(q) for _ in sts]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (len(sts) * q,), generator=g)
+    pos = torch.tensor([len(st.slots) + j for st in sts for j in range(q)])
+    mask = torch.ones(len(sts), q, q, dtype=torch.bool).tril()
+    out = runner._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
+    logits = out.logits.clone()
+    for block in new:
+        runner.allocator.free(block)
+    return logits
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_forwards_with_pdl_equal_forwards_without_bit_for_bit(model_dir, graphs, monkeypatch):
+    on = _runner(model_dir, graphs, True, monkeypatch)
+    off = _runner(model_dir, graphs, False, monkeypatch)
+    for q, seed in [(1, 0), (9, 1), (1, 2), (9, 3), (9, 4)]:  # AR steps and verify-sized blocks
+        assert torch.equal(_logits(on, q, seed), _logits(off, q, seed)), (q, seed)
+    if graphs:
+        assert on._graphs is not None and off._graphs is not None
+    on.close()
+    off.close()
+
+
+def test_pdl_is_used_on_sm90_and_later() -> None:
+    major = torch.cuda.get_device_capability()[0]
+    assert pdl.enabled(torch.device("cuda")) == (major >= 9)

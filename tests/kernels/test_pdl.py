@@ -1,0 +1,142 @@
+"""Programmatic dependent launch (ddserve/kernels/pdl.py): when it is on, and the contract every
+PDL kernel keeps (its programs wait for the previous kernel before touching memory that another
+kernel writes or reads, and before any early return). The contract is checked on the source of
+every kernel with a `PDL` parameter and on the sm_90 PTX of the matmul (whose weight prefetch
+comes before the wait) and of the Gluon MoE kernel, compiled on the CPU. That PDL leaves results
+unchanged on an H200 is checked by tests/gpu/test_pdl_gpu.py."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import textwrap
+
+import pytest
+import torch
+
+from ddserve.kernels import backend, pdl
+from ddserve.kernels.config import KernelConfig
+from tests.triton_interp import require_triton
+
+PDL_MODULES = (
+    "invariant", "fused", "router", "tree_attn_invariant", "moe_align", "moe_reduce", "moe_gluon",
+)  # fmt: skip
+MEMORY_CALLS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max"}
+
+
+def test_pdl_is_on_by_default_and_ddserve_pdl_0_turns_it_off() -> None:
+    assert KernelConfig().pdl
+    assert KernelConfig.resolve(True, env={}).pdl
+    for off in ("0", "off", "False", "no"):
+        assert not KernelConfig.resolve(True, env={"DDSERVE_PDL": off}).pdl
+    assert KernelConfig.resolve(False, env={"DDSERVE_PDL": "1"}).pdl
+
+
+def test_no_pdl_on_the_cpu_or_when_the_config_says_off(monkeypatch) -> None:
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "_interpreting", lambda: False)
+    cuda = torch.device("cuda", 0)
+    assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    with backend.kernel_mode(KernelConfig(pdl=False)):
+        assert pdl.launch_options(cuda) == {"PDL": False}
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)  # before sm_90
+    assert pdl.launch_options(cuda) == {"PDL": False}
+
+
+def _pdl_kernels() -> list[tuple[str, ast.FunctionDef]]:
+    out = []
+    for name in PDL_MODULES:
+        mod = importlib.import_module(f"ddserve.kernels.{name}")
+        tree = ast.parse(textwrap.dedent(inspect.getsource(mod)))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and "PDL" in [a.arg for a in node.args.args]:
+                out.append((f"{name}.{node.name}", node))
+    return out
+
+
+def _is_wait(stmt: ast.stmt) -> bool:
+    """`pdl_begin(PDL)`, or an `if PDL:` whose body executes griddepcontrol.wait (Gluon)."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        return ast.unparse(stmt.value) == "pdl_begin(PDL)"
+    return isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "PDL" and (
+        "griddepcontrol.wait" in ast.unparse(stmt)
+    )  # fmt: skip
+
+
+def test_every_pdl_kernel_waits_before_touching_memory_or_returning() -> None:
+    require_triton()
+    kernels = _pdl_kernels()
+    names = {n for n, _ in kernels}
+    assert {"invariant._mm_kernel", "moe_gluon._w4_gemm_kernel", "router._select_kernel"} <= names
+    for name, fn in kernels:
+        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(
+            fn.body[0].value, ast.Constant) else fn.body  # fmt: skip
+        waits = [i for i, st in enumerate(body) if _is_wait(st)]
+        assert waits, f"{name} has a PDL parameter but never waits"
+        for stmt in body[: waits[0]]:
+            for node in ast.walk(stmt):
+                assert not isinstance(node, ast.Return), f"{name} may return before its wait"
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    assert node.func.attr not in MEMORY_CALLS, (
+                        f"{name}: {ast.unparse(node)[:80]} before the wait"
+                    )  # fmt: skip
+
+
+def _order(ptx: str) -> tuple[int, int, int]:
+    """(first griddepcontrol.wait, first global memory access, last L2 prefetch) in the PTX."""
+    wait = ptx.find("griddepcontrol.wait")
+    mem = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)", ptx)
+    pref = ptx.rfind("prefetch.global.L2")
+    return wait, mem.start() if mem else len(ptx), pref
+
+
+def _compile(src, warps: int, stages: int = 3) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        opts = {"num_warps": warps, "num_stages": stages, "launch_pdl": True}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]
+    except Exception as e:  # noqa: BLE001 - no CUDA backend / ptxas in this triton
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
+
+
+def test_matmul_ptx_prefetches_weights_then_waits_before_any_memory_access() -> None:
+    require_triton()
+    from triton.compiler import ASTSource
+
+    from ddserve.kernels import invariant
+
+    strides = ["sxm", "sxh", "sxk", "swh", "swk", "swn", "sps", "sym", "syh", "syn"]
+    sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32")
+    sig.update(M="i32", N="i32", **dict.fromkeys(strides, "i32"))
+    consts = dict(K=7168, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT=8, K_PER=896, FP32=False)
+    consts.update(PRECISION="", INTERPRET=False, REDUCE=True, PF_LINES=4, PF_STEP=64, PDL=True)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    ptx = _compile(ASTSource(invariant._mm_kernel, sig, constexprs=consts), warps=4, stages=4)
+    wait, mem, pref = _order(ptx)
+    assert 0 <= pref < wait < mem, (pref, wait, mem)
+    assert "griddepcontrol.launch_dependents" in ptx
+
+
+def test_gluon_moe_ptx_waits_before_any_memory_access() -> None:
+    require_triton()
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ddserve.kernels.moe_gluon import _w4_gemm_kernel
+
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", pairs_ptr="*i64",
+               bexp_ptr="*i64", tw_ptr="*fp32")  # fmt: skip
+    ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_os",
+            "stride_or", "expert_words", "expert_scales")  # fmt: skip
+    sig.update(dict.fromkeys(ints, "i32"))
+    consts = dict(TOPK=8, GATHER=True, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, NT=1, SPLIT=4,
+                  DOWN=False, DEPTH=1, PDL=True)  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    ptx = _compile(GluonASTSource(fn=_w4_gemm_kernel, signature=sig, constexprs=consts), warps=4)
+    wait, mem, _ = _order(ptx)
+    assert 0 <= wait < mem, (wait, mem)
+    assert "griddepcontrol.launch_dependents" in ptx
