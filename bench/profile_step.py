@@ -17,7 +17,7 @@ For each configuration (AR at each --batches, DDTree verify of --budget at each 
 JSON per configuration: categories (us per step, kernels, floor us), the top kernels, kernels per
 layer, the graph's wall time and its gaps between kernels. --variants profiles each configuration
 under several kernel launch variants in one process (same weights, same inputs): "default"
-(programmatic dependent launch with the matmuls' weight prefetch), "no-prefetch" and "no-pdl".
+(programmatic dependent launch with its L2 prefetches), "no-prefetch" and "no-pdl".
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -45,7 +45,7 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend, invariant  # noqa: E402
+from ddserve.kernels import backend, pdl  # noqa: E402
 
 VARIANTS = ("default", "no-prefetch", "no-pdl")
 
@@ -301,16 +301,16 @@ def use_router_fma() -> None:
 
 @contextlib.contextmanager
 def variant(runner, name: str):
-    """The runner's kernel configuration and the matmul prefetch set for one launch variant."""
-    kernels, prefetch = runner.kernels, invariant.PREFETCH_BYTES
+    """The runner's kernel configuration and the PDL prefetches set for one launch variant."""
+    kernels, prefetch = runner.kernels, pdl.PREFETCH
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
     elif name == "no-prefetch":
-        invariant.PREFETCH_BYTES = 0
+        pdl.PREFETCH = False
     try:
         yield
     finally:
-        runner.kernels, invariant.PREFETCH_BYTES = kernels, prefetch
+        runner.kernels, pdl.PREFETCH = kernels, prefetch
 
 
 def capture_inputs(bench, sids: list[int], budget: int | None, depth: int) -> tuple:

@@ -99,9 +99,10 @@ case "$MODE" in
   step)
     step pytest_step 250 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_pdl_gpu.py \
       tests/gpu/test_router_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_invariant_gpu.py \
-      tests/gpu/test_engine_gpu.py tests/gpu/test_moe_v3.py ${1:+-k "$1"}
-    # one forward per configuration under each launch variant (PDL with and without the matmul
-    # prefetch, plain launches), same weights and inputs: compare the replays' wall times
+      tests/gpu/test_engine_gpu.py tests/gpu/test_moe_v3.py tests/gpu/test_tree_attn_triton.py \
+      ${1:+-k "$1"}
+    # one forward per configuration under each launch variant (PDL with and without its L2
+    # prefetches, plain launches), same weights and inputs: compare the replays' wall times
     step profile 300 python3 bench/profile_step.py --batches 1,10 \
       --variants default,no-prefetch,no-pdl --out "$OUT/profile.json"
     ;;

@@ -42,9 +42,10 @@ from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 
 from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.pdl import prefetch_l2
 
-# L2 prefetch per matmul program before its PDL wait: the first lines of its weight rows, at
-# most this many bytes (0: none). The programs resident while the previous kernel finishes
-# (up to ~2 per SM) then start on warm lines; the cap keeps the lm_head's from flooding L2.
+# L2 prefetch per matmul program before its PDL wait (`pdl.PREFETCH`): the first lines of its
+# weight rows, at most this many bytes. The programs resident while the previous kernel
+# finishes (up to ~2 per SM) then start on warm lines; the cap keeps the lm_head's from
+# flooding L2.
 PREFETCH_BYTES = 32 << 10
 
 
@@ -224,7 +225,7 @@ def _launch(
     launch = pdl.launch_options(x.device)
     pf_step = 128 // w.element_size()  # elements per 128-byte line
     pf_lines = 0
-    if launch["PDL"] and PREFETCH_BYTES and ws[1] == 1:  # K-contiguous weight rows
+    if launch["PDL"] and pdl.PREFETCH and ws[1] == 1:  # K-contiguous weight rows
         pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), PREFETCH_BYTES // (
             128 * bn))  # fmt: skip
     _mm_kernel[grid](

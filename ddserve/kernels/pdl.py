@@ -12,8 +12,10 @@ The contract of every kernel launched with `launch_options` (its `PDL` constexpr
 first): every program executes the wait before it reads or writes memory that another kernel of
 the forward writes or reads, and before any early return. A kernel therefore completes only
 after its predecessor has, so completion orders the whole chain and a kernel may read what any
-earlier kernel wrote (and overwrite what any earlier kernel read). Only reads of memory no
-kernel writes during a forward (weights) may come before the wait (`prefetch_l2`). Kernels
+earlier kernel wrote (and overwrite what any earlier kernel read). Before the wait a program
+only asks L2 for lines (`prefetch_l2`), at addresses computed from memory that no kernel of the
+forward writes (weights; the attention metadata, copied in before the forward's first kernel);
+a prefetch returns no data, so even a stale address would cost bandwidth, never a value. Kernels
 launched without the attribute (torch's, NCCL's) keep plain stream order on both sides. The
 arithmetic of a kernel does not change with PDL, only when it starts.
 
@@ -31,6 +33,11 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels import backend
+
+# Under PDL, kernels that read weights or prefix keys ask L2 for their first lines before the
+# wait (`prefetch_l2`; the matmul, the router's gate, tree attention's prefix keys), so those
+# loads overlap the previous kernel. Benchmarks turn it off to measure it.
+PREFETCH = True
 
 
 def _interpreting() -> bool:

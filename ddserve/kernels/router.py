@@ -37,6 +37,7 @@ import triton.language as tl
 from ddserve.kernels import pdl
 from ddserve.kernels.invariant import _canonical
 from ddserve.kernels.pdl import begin as pdl_begin
+from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.router_ref import RoutingParams
 
 PROGRAMS_AT_T1 = 4 * 132  # gate programs to aim for at one token (an H200 has 132 SMs)
@@ -77,13 +78,13 @@ def _gate_partials_kernel(
     E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
 ):  # fmt: skip
     """part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32; see the module
     docstring for the order; with MMA, one tensor-core product per BLOCK_K step added in K
     order: bf16 when x and w both are (BF16), else tf32x3). Program (expert block * SPLIT + s,
-    token tile)."""
-    pdl_begin(PDL)
+    token tile). PF_LINES > 0 (PDL launches): the first token tile's programs ask L2 for
+    their gate rows' K range (PF_LINES 128-byte lines of PF_STEP values) before the wait."""
     pid = tl.program_id(0)
     eb, s = pid // SPLIT, pid % SPLIT
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -92,6 +93,12 @@ def _gate_partials_kernel(
     t_ok, e_ok = rt < T, re < E
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * sx  # [BT, 1]
     w_rows = w_ptr + re.to(tl.int64)[:, None] * sw  # [BE, 1]
+    if PF_LINES > 0:  # the gate: no kernel of the forward writes it
+        if tl.program_id(1) == 0:
+            kl = s * K_PER + tl.arange(0, PF_LINES) * PF_STEP  # [L]
+            ok = e_ok[:, None] & (kl < D)[None, :]
+            prefetch_l2(tl.where(ok, w_rows + kl[None, :], w_ptr))  # [BE, L]
+    pdl_begin(PDL)
     if MMA:  # [BT, BE] accumulators, the MMA's own fixed order within each step
         part = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for i in range(0, K_PER, BLOCK_K * UNROLL):
@@ -269,11 +276,16 @@ def route(
     part = torch.empty(t, cfg.split, e_pad, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(e, cfg.block_e) * cfg.split, triton.cdiv(t, cfg.block_t))
     launch = pdl.launch_options(x.device)
+    pf_step = 128 // weight.element_size()  # gate values per 128-byte line
+    pf_lines = 0
+    if launch["PDL"] and pdl.PREFETCH:
+        pf_lines = triton.next_power_of_2(triton.cdiv(k_per, pf_step))
     _gate_partials_kernel[grid](
         x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
         BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
         SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
-        BF16=x.dtype == weight.dtype == torch.bfloat16, num_warps=cfg.warps, **launch,
+        BF16=x.dtype == weight.dtype == torch.bfloat16, PF_LINES=pf_lines, PF_STEP=pf_step,
+        num_warps=cfg.warps, **launch,
     )  # fmt: skip
     eg = e // p.n_group
     _select_kernel[(t,)](

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ddserve.kernels import pdl
 from ddserve.kernels.pdl import begin as pdl_begin
+from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.tree_attn import TreeAttnMeta
 
 
@@ -143,6 +144,24 @@ def _tail_tiles(
     return m, l_sum, acc
 
 
+@triton.jit
+def prefetch_prefix_keys(
+    kv_ptr, pslots_ptr, plens_ptr, b, s0, stride_ps, stride_kv,
+    ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr, LINE_STEP: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Before the PDL wait: ask L2 for the 128-byte lines (LINE_STEP values each) of block b's
+    prefix keys in the split starting at key s0 (ROW_LINES lines per cache row). Prefix
+    slots, their count and the prefix keys are written before the forward's first kernel, never
+    by one of its kernels (and a prefetch returns nothing: a stale address costs bandwidth)."""
+    plen = tl.load(plens_ptr + b)
+    kidx = s0 + tl.arange(0, SPLIT)  # [SPLIT]
+    ok = kidx < plen
+    slot = tl.load(pslots_ptr + b * stride_ps + kidx, mask=ok, other=0).to(tl.int64)
+    line = tl.arange(0, LINE_PAD)  # [L] (LINE_PAD: ROW_LINES' power of two)
+    addr = kv_ptr + slot[:, None] * stride_kv + line[None, :] * LINE_STEP  # [SPLIT, L]
+    prefetch_l2(tl.where(ok[:, None] & (line < ROW_LINES)[None, :], addr, kv_ptr))
+
+
 @triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
     ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
@@ -151,27 +170,38 @@ def _tree_attn_inv_kernel(
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
+    LINE_STEP: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
-    rows; the tail tiles are done once per token with that token's keys (same `_key_tile`)."""
-    pdl_begin(PDL)
+    rows; the tail tiles are done once per token with that token's keys (same `_key_tile`).
+    ROW_LINES > 0 (PDL launches): the first row tile's program of each split prefetches the
+    split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // tiles
     tile = pid % tiles
+    if ROW_LINES > 0:
+        if tile == 0:
+            prefetch_prefix_keys(kv_ptr, pslots_ptr, plens_ptr, b, split * SPLIT, stride_ps,
+                                 stride_kv, ROW_LINES, LINE_PAD, LINE_STEP, SPLIT)  # fmt: skip
+    pdl_begin(PDL)
     q0 = tl.load(q_starts_ptr + b)
     qlen = tl.load(q_lens_ptr + b)
     plen = tl.load(plens_ptr + b)
     s0 = split * SPLIT
-    # Nothing to do: no rows here, or the split starts past every row's keys (plse stays -inf).
-    if (tile * BM >= qlen * H) | (s0 >= plen + qlen):
+    if tile * BM >= qlen * H:  # no rows of this block in this tile
         return
     r = tile * BM + tl.arange(0, BM)  # [BM] (row, head) pairs of this block
     qrow = r // H
     head = r % H
     row_ok = qrow < qlen
     t = q0 + qrow
+    if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
+        if nsplit > 1:
+            prow = (t.to(tl.int64) * H + head) * nsplit + split
+            tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
+        return
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
     q_off = t[:, None] * stride_qt + head[:, None] * stride_qh
@@ -213,21 +243,30 @@ def _tree_attn_inv_kernel(
             stride_ot, stride_oh, H, R)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["NSPLIT"])
+@triton.jit(do_not_specialize=["NSPLIT", "nblocks"])
 def _combine_kernel(
-    po_ptr, plse_ptr, out_ptr, stride_ot, stride_oh, NSPLIT,
+    po_ptr, plse_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, BS: tl.constexpr = 64,
 ):  # fmt: skip
     """Merge a row's split partials: m = the max of the log-sum-exps (exact in any order), then
     acc and the denominator summed in split order with weights exp2(lse - m). Empty splits
     (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
     splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
-    branch in the loops: the partial loads are independent and pipeline."""
+    branch in the loops: the partial loads are independent and pipeline. A row in no block
+    (q_starts / q_lens) has no partials written: it gets 0."""
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
+    inside = tl.zeros([], dtype=tl.int32)
+    for b in range(0, nblocks):
+        q0 = tl.load(q_starts_ptr + b)
+        inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b))).to(tl.int32)
+    if inside == 0:
+        tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, tl.zeros([R], tl.float32).to(
+            out_ptr.dtype.element_ty))  # fmt: skip
+        return
     m = tl.full([], float("-inf"), dtype=tl.float32)
     for s0 in range(0, NSPLIT, BS):
         ss = s0 + tl.arange(0, BS)
@@ -311,14 +350,21 @@ def tree_mla_attention_invariant(
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
         po = plse = out  # unused placeholders
     else:
-        out = torch.empty_like(q_latent)  # the merge writes every row (0 where no split ran)
+        # the merge writes every row (0 in no block); every (row, split) of a block gets its
+        # partial's lse from its program (-inf for an empty split), so no fill launch
+        out = torch.empty_like(q_latent)
         po = torch.empty(t, h, nsplit, r, dtype=torch.float32, device=q_latent.device)
-        plse = torch.full((t, h, nsplit), float("-inf"), dtype=torch.float32, device=out.device)
+        plse = torch.empty(t, h, nsplit, dtype=torch.float32, device=out.device)
     if t == 0 or nblocks == 0:
         return out
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
     launch = pdl.launch_options(q_latent.device)
+    lines = 0  # cache rows that start on 128-byte lines: their lines, prefetched under PDL
+    esize = kv_cache.element_size()
+    if launch["PDL"] and pdl.PREFETCH and kv_cache.data_ptr() % 128 == 0:
+        lines = triton.cdiv(kv_cache.shape[1] * esize, 128) if (
+            kv_cache.stride(0) * esize % 128 == 0) else 0  # fmt: skip
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
         q_latent, q_rope, kv_cache, out, po, plse,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
@@ -327,10 +373,12 @@ def tree_mla_attention_invariant(
         kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
+        ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:
         _combine_kernel[(t * h,)](
-            po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r, **launch
-        )
+            po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
+            nsplit, H=h, R=r, **launch,
+        )  # fmt: skip
     return out

@@ -186,6 +186,7 @@ def tree_mla_attention(
     )  # fmt: skip
     if nsplit > 1:
         _combine_kernel[(t * h,)](
-            po, plse, out, out.stride(0), out.stride(1), nsplit, H=h, R=r, PDL=False
-        )
+            po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
+            nsplit, H=h, R=r, PDL=False,
+        )  # fmt: skip
     return out

@@ -66,6 +66,23 @@ def _is_wait(stmt: ast.stmt) -> bool:
     )  # fmt: skip
 
 
+def test_prefetch_helpers_only_read() -> None:
+    """What a kernel may call before its wait besides `prefetch_l2`: `prefetch_*` helpers, which
+    load addresses (metadata) but never write."""
+    require_triton()
+    helpers = []
+    for name in PDL_MODULES:
+        mod = importlib.import_module(f"ddserve.kernels.{name}")
+        tree = ast.parse(textwrap.dedent(inspect.getsource(mod)))
+        helpers += [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+                    and n.name.startswith("prefetch")]  # fmt: skip
+    assert [h.name for h in helpers] == ["prefetch_prefix_keys"]
+    for h in helpers:
+        calls = {n.func.attr for n in ast.walk(h) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute)}  # fmt: skip
+        assert not calls & (MEMORY_CALLS - {"load"}), (h.name, calls)
+
+
 def test_every_pdl_kernel_waits_before_touching_memory_or_returning() -> None:
     require_triton()
     kernels = _pdl_kernels()

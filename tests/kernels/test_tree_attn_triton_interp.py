@@ -100,6 +100,21 @@ def _run_checks() -> dict:
     q, qp, kv = _inputs(meta, H, slots, 40)
     outs = [attn(q, qp, kv, meta, invariant=True, config=dict(SMALL, BM=bm)) for bm in (16, 32, 64)]
     res["bm_bad_rows"] = sum(int((o != outs[0]).any(-1).any(-1).sum()) for o in outs[1:])
+
+    # 5) rows after the last block belong to none: 0 in the output, the others unchanged
+    # (several splits: no launch fills the partials, each block's programs write their own)
+    import torch
+
+    pls, qls = [100, 3], [5, 1]
+    slots = sum(pls) + sum(qls) + 3
+    meta = random_meta(pls, qls, slots, seed=50)
+    q, qp, kv = _inputs(meta, H, slots, 50)
+    q2 = torch.cat([q, torch.randn(3, H, R).to(q.dtype)])  # [T + 3, H, R]
+    qp2 = torch.cat([qp, torch.randn(3, H, P).to(qp.dtype)])
+    base = attn(q, qp, kv, meta, invariant=True, config=SMALL)
+    out = attn(q2, qp2, kv, meta, invariant=True, config=SMALL)
+    res["outside_rows_zero"] = bool((out[len(q) :] == 0).all())
+    res["inside_rows_same"] = bool(torch.equal(out[: len(q)], base))
     return res
 
 
@@ -130,6 +145,10 @@ def test_rows_do_not_depend_on_the_row_tile_height():
 
 def test_rows_do_not_depend_on_the_batch():
     assert _results()["batch_bad_rows"] == 0
+
+
+def test_rows_in_no_block_are_zero_and_leave_the_others_unchanged():
+    assert _results()["outside_rows_zero"] and _results()["inside_rows_same"]
 
 
 if __name__ == "__main__":
