@@ -35,16 +35,18 @@ UNIT = {"sxk": 1, "swk": 1, "syn": 1}  # linear: x, w contiguous along K, y alon
 def compile_one(cfg: invariant_configs.MMConfig, k: int, dtype: torch.dtype) -> dict:
     ty = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     part, tick = (ty, ty) if cfg.split == 1 else ("*fp32", "*i32")  # as `_launch` passes them
-    sig = {"x_ptr": ty, "w_ptr": ty, "y_ptr": ty, "part_ptr": part, "ticket_ptr": tick, "M": "i32"}
+    sig = {"x_ptr": ty, "w_ptr": ty, "y_ptr": ty, "r_ptr": ty, "part_ptr": part,
+           "ticket_ptr": tick, "M": "i32"}  # fmt: skip
     sig.update({"N": "i32", "K": "constexpr"})
     sig.update({s: "constexpr" if s in UNIT else "i32" for s in STRIDES})
     consts = dict(UNIT, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     consts.update(SPLIT=cfg.split, K_PER=k_per, FP32=dtype == torch.float32)
-    consts.update(PRECISION=cfg.precision, INTERPRET=False, REDUCE=True)
+    consts.update(PRECISION=cfg.precision, INTERPRET=False, REDUCE=True, PF_LINES=0, PF_STEP=64)
+    consts.update(PDL=False, ADD=False)
     sig.update({c: "constexpr" for c in consts if c not in sig})
     names = list(sig)
-    div16 = ["x_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "N"]
+    div16 = ["x_ptr", "w_ptr", "y_ptr", "r_ptr", "part_ptr", "ticket_ptr", "N"]
     div16 += [s for s in STRIDES if s not in UNIT]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = ASTSource(invariant._mm_kernel, sig, constexprs=consts, attrs=attrs)

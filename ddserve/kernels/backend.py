@@ -208,12 +208,16 @@ def _invariant_for(op: str, x: torch.Tensor):
     return kernels
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics)."""
+def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics), then + `add` when given (one
+    launch on the batch-invariant path, the same bits as the two torch ops)."""
     from ddserve.kernels.invariant_ref import linear_ref
 
     kernels = _invariant_for("linear", x)
-    return kernels.linear(x, w) if kernels else linear_ref(x, w)
+    if kernels:
+        return kernels.linear(x, w, add)
+    y = linear_ref(x, w)
+    return y if add is None else y + add
 
 
 def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

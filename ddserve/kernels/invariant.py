@@ -53,14 +53,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@triton.jit
+def _epilogue(acc, r_ptr, offs, ok, dtype: tl.constexpr, ADD: tl.constexpr):
+    """The fp32 result rounded to y's dtype; with ADD, plus r (same offsets), rounded again."""
+    y = acc.to(dtype)
+    if ADD:
+        r = tl.load(r_ptr + offs, mask=ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    return y
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
-    x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, r_ptr, part_ptr, ticket_ptr, M, N, K: tl.constexpr,
     sxm, sxh, sxk, swh, swk, swn, sps, sym, syh, syn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, REDUCE: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     """y[m, h, n] = sum over k of x[m, h, k] * w[h, k, n]; program (m tile, n tile, head * SPLIT +
     s) accumulates split s's K range in fp32. SPLIT = 1: rounds to y's dtype and stores y.
@@ -68,7 +78,9 @@ def _mm_kernel(
     REDUCE, the tile's last program to take a ticket (ticket[tile] counts arrivals, and is reset
     to 0 by that program) sums part[0] + part[1] + ... in split order, rounds once and stores y;
     without REDUCE, `_sum_splits_kernel` does the same sum in a second launch.
-    K is a constexpr (fixed per weight; a runtime loop bound does not run in the interpreter).
+    ADD: y = round(round(result) + r), r laid out as y (torch's `linear(x, w) + r`; not with a
+    second-launch sum). K is a constexpr (fixed per weight; a runtime loop bound does not run in
+    the interpreter).
     PF_LINES > 0 (PDL launches of weights contiguous along K): before waiting for the previous
     kernel, the program asks L2 for the first PF_LINES 128-byte lines (PF_STEP elements each)
     of each of its weight columns' K range."""
@@ -100,7 +112,8 @@ def _mm_kernel(
     offs = h.to(tl.int64) * syh + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn  # [BM, BN]
     ok = m_ok[:, None] & n_ok[None, :]  # [BM, BN]
     if SPLIT == 1:
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        y = _epilogue(acc, r_ptr, offs, ok, y_ptr.dtype.element_ty, ADD)
+        tl.store(y_ptr + offs, y, mask=ok)
     else:
         tl.store(part_ptr + s.to(tl.int64) * sps + offs, acc, mask=ok)
         if REDUCE:
@@ -112,7 +125,8 @@ def _mm_kernel(
                 for j in tl.static_range(1, SPLIT):
                     tot += tl.load(part_ptr + j * sps + offs, mask=ok, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
-                tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(y_ptr + offs, _epilogue(tot, r_ptr, offs, ok, y_ptr.dtype.element_ty, ADD),
+                         mask=ok)  # fmt: skip
                 tl.store(ticket_ptr + tile, 0)  # clean for the next launch (or graph replay)
 
 
@@ -203,11 +217,13 @@ def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 
 def _launch(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int,
-    cfg: MMConfig | None = None, two_launch: bool = False,
+    cfg: MMConfig | None = None, two_launch: bool = False, add: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws.
-    `cfg` (default: `mm_config`'s) and `two_launch` (the split-K sum as `_sum_splits_kernel`)
-    are for benchmarks and tests; both ways give the same bits."""
+    """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws,
+    plus `add` (contiguous, y's shape) when given. `cfg` (default: `mm_config`'s) and
+    `two_launch` (the split-K sum as `_sum_splits_kernel`) are for benchmarks and tests; both
+    ways give the same bits."""
+    assert add is None or not two_launch, "the residual add is the in-kernel sum's epilogue"
     x, xs = _canonical(x)
     if x.dim() == 2:
         xs = [xs[0], 0, xs[1]]
@@ -229,11 +245,11 @@ def _launch(
         pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), PREFETCH_BYTES // (
             128 * bn))  # fmt: skip
     _mm_kernel[grid](
-        x, w, y, part, tickets, m, n, k, *xs, *ws, part_stride, *ys,
+        x, w, y, y if add is None else add, part, tickets, m, n, k, *xs, *ws, part_stride, *ys,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, K_PER=k_per,
         FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
-        REDUCE=not two_launch, PF_LINES=pf_lines, PF_STEP=pf_step, num_warps=cfg.warps,
-        num_stages=cfg.stages, **launch,
+        REDUCE=not two_launch, PF_LINES=pf_lines, PF_STEP=pf_step, ADD=add is not None,
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch,
     )  # fmt: skip
     if split > 1 and two_launch:
         numel = y.numel()
@@ -249,18 +265,24 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
         raise TypeError(f"unsupported dtype {x.dtype}")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T -> [..., N] in x.dtype, each row independent of the row count."""
+def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in x.dtype, each row independent of the row count;
+    `add` [..., N] (x.dtype) is added to the rounded product in the same launch, rounded once
+    more: bitwise torch's `linear(x, w) + add`."""
     _check(x, w)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
     x2 = x.reshape(-1, k)  # [M, K]
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)  # [M, N]
+    if add is not None:
+        if add.shape != (*x.shape[:-1], n) or add.dtype != x.dtype or add.device != x.device:
+            raise ValueError(f"add {tuple(add.shape)} {add.dtype} does not match the output")
+        add = add.reshape(-1, n).contiguous()  # [M, N]
     if x2.shape[0]:
         # w[n, k] seen as [1, K, N]: stride along k is w.stride(1), along n w.stride(0)
         ws = (0, w.stride(1), w.stride(0))
-        _launch(x2, w, y, ws, 1)
+        _launch(x2, w, y, ws, 1, add=add)
     return y.view(*x.shape[:-1], n)
 
 

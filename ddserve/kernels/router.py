@@ -237,7 +237,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: Routing
     e, d = weight.shape
     assert x.dim() == 2 and x.shape[1] == d, f"x {tuple(x.shape)} vs gate {tuple(weight.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
-    assert weight.dtype in (torch.float32, torch.bfloat16), f"gate: fp32 or bf16, not {weight.dtype}"
+    assert weight.dtype in (torch.float32, torch.bfloat16), (
+        f"gate: fp32 or bf16, not {weight.dtype}"
+    )
     assert weight.stride(1) == 1, "gate: unit K stride"
     assert bias.dtype == torch.float32 and bias.shape == (e,) and bias.is_contiguous()
     assert x.device == weight.device == bias.device

@@ -109,8 +109,12 @@ class RowParallelLinear(Linear):
         super().__init__(in_local, out_features, dtype, device)
         self.comm, self.reduce = comm, reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = backend.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's x @ W^T, all-reduced when `reduce`; without it, plus `add` (a partial
+        of the same sum, e.g. the MoE's routed experts) in the matmul's launch."""
+        if add is not None and self.reduce:
+            raise ValueError("add is a partial of the un-reduced sum: only with reduce=False")
+        y = backend.linear(x, self.weight, add)
         return reduce_partials(self.comm, y) if self.reduce else y
 
 

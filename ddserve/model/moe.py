@@ -58,7 +58,8 @@ class DenseMLP(nn.Module):
         g, u = self.gate_proj.weight, self.up_proj.weight
         return stacked_rows(g, u) if g.shape == u.shape else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, D] -> [T, D]; plus `add` in the down projection's launch (reduce=False only)."""
         merged = None
         if backend.batch_invariant() and x.device.type == "cuda":
             merged = self.gate_up_weight()
@@ -66,7 +67,7 @@ class DenseMLP(nn.Module):
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
         else:  # one matmul, then silu(gate) * up in one launch (bitwise the torch ops)
             h = backend.silu_mul(backend.linear(x, merged))  # [T, 2 I_local] -> [T, I_local]
-        return self.down_proj(h)
+        return self.down_proj(h, add=add)
 
 
 class Router(nn.Module):
@@ -258,6 +259,6 @@ class MoE(nn.Module):
             self.route_hook(ids)
         moe = backend.moe(backend.device_type(x))
         y = moe(x, ids, weights, self.experts.weights())  # [T, D] this rank's partial
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if self.shared_experts is not None:  # routed + shared, added in the down matmul
+            y = self.shared_experts(x, add=y)
         return reduce_partials(self.comm, y)

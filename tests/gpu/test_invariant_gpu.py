@@ -63,6 +63,18 @@ def test_linear_rows_do_not_depend_on_m(name: str, n: int, k: int, dtype) -> Non
     torch.testing.assert_close(linear(x[:64], w).double(), expected, **tol)
 
 
+@pytest.mark.parametrize("n,k", [(7168, 256), (1536, 7168)], ids=["shared_down", "split_k"])
+def test_linear_with_add_is_linear_then_torch_add_bit_for_bit(n: int, k: int) -> None:
+    """The residual epilogue (the MoE adds its routed output in the shared expert's down
+    matmul) gives torch's `linear(x, w) + add` exactly, at every M, with a K split or without."""
+    from ddserve.kernels.invariant import linear
+
+    x, w = rand(MAX_M, k, seed=3), rand(n, k, scale=k**-0.5, seed=4)
+    add = rand(MAX_M, n, seed=5)
+    fused = {m: linear(x[:m], w, add[:m]) for m in M_LIST}
+    assert [m for m in M_LIST if not torch.equal(fused[m], linear(x[:m], w) + add[:m])] == []
+
+
 SET_SHAPES = [  # (name, N, K, dtype): one rank at tp = 8
     ("lm_head", 20480, 7168, torch.bfloat16),
     ("q_a_proj", 1536, 7168, torch.bfloat16),

@@ -104,6 +104,19 @@ def check_fused_equals_two_launch_and_split_sum_ref(inv, dtype, heads: int, spli
             )
 
 
+def check_add_epilogue_is_linear_plus_add(inv, dtype, split: int) -> None:
+    """linear(x, w, add) == round(linear(x, w) + add), in one launch, with or without a split."""
+    x, w = wide(7, 333, dtype=dtype, seed=20), wide(45, 333, dtype=dtype, seed=21)
+    add = wide(7, 45, dtype=dtype, seed=22)
+    plain, cfg, _ = run(inv, x, w, 1, split, two_launch=False)
+    cfg = cfg._replace(split=split)
+    y = torch.empty(7, 45, dtype=dtype)
+    inv._launch(x, w, y, (0, w.stride(1), w.stride(0)), 1, cfg, add=add)
+    assert torch.equal(y, interp_round(plain.float() + add.float(), dtype))
+    fused = inv.linear(x, w, add=add)  # the default configuration
+    assert torch.equal(fused, interp_round(inv.linear(x, w).float() + add.float(), dtype))
+
+
 def check_default_configs_split_and_match(inv) -> None:
     """The default configuration splits a narrow long-K weight; fused == two-launch there too."""
     x, w = (
@@ -139,6 +152,8 @@ CASES = (
     [(f"fused_eq_two_launch[{d},heads={h},split={s}]",
       check_fused_equals_two_launch_and_split_sum_ref, (d, h, s))
      for d in DTYPES for h in (1, 3) for s in (1, 2, 3, 5)]
+    + [(f"add_epilogue[{d},split={s}]", check_add_epilogue_is_linear_plus_add, (d, s))
+       for d in DTYPES for s in (1, 3)]
     + [("default_configs_split", check_default_configs_split_and_match, ())]
     + [("scratch_grows_keeps_old", check_scratch_grows_and_keeps_old_buffers, ())]
 )  # fmt: skip

@@ -128,10 +128,12 @@ def test_matmul_ptx_prefetches_weights_then_waits_before_any_memory_access() -> 
     from ddserve.kernels import invariant
 
     strides = ["sxm", "sxh", "sxk", "swh", "swk", "swn", "sps", "sym", "syh", "syn"]
-    sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32")
+    sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", r_ptr="*bf16", part_ptr="*fp32",
+               ticket_ptr="*i32")  # fmt: skip
     sig.update(M="i32", N="i32", **dict.fromkeys(strides, "i32"))
     consts = dict(K=7168, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT=8, K_PER=896, FP32=False)
-    consts.update(PRECISION="", INTERPRET=False, REDUCE=True, PF_LINES=4, PF_STEP=64, PDL=True)
+    consts.update(PRECISION="", INTERPRET=False, REDUCE=True, PF_LINES=4, PF_STEP=64, PDL=True,
+                  ADD=False)  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     ptx = _compile(ASTSource(invariant._mm_kernel, sig, constexprs=consts), warps=4, stages=4)
     wait, mem, pref = _order(ptx)
