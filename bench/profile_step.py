@@ -17,7 +17,8 @@ For each configuration (AR at each --batches, DDTree verify of --budget at each 
 JSON per configuration: categories (us per step, kernels, floor us), the top kernels, kernels per
 layer, the graph's wall time and its gaps between kernels. --variants profiles each configuration
 under several kernel launch variants in one process (same weights, same inputs): "default"
-(programmatic dependent launch with its L2 prefetches), "no-prefetch" and "no-pdl".
+(programmatic dependent launch with its L2 prefetches), "no-<kernel>-prefetch" (matmul, router,
+attention), "no-prefetch" and "no-pdl".
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -47,7 +48,9 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from ddserve.kernels import backend, pdl  # noqa: E402
 
-VARIANTS = ("default", "no-prefetch", "no-pdl")
+# launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all
+VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
+            "no-prefetch", "no-pdl")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -306,7 +309,9 @@ def variant(runner, name: str):
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
     elif name == "no-prefetch":
-        pdl.PREFETCH = False
+        pdl.PREFETCH = frozenset()
+    elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
+        pdl.PREFETCH = prefetch - {name.removeprefix("no-").removesuffix("-prefetch")}
     try:
         yield
     finally:

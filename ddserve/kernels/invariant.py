@@ -241,7 +241,7 @@ def _launch(
     launch = pdl.launch_options(x.device)
     pf_step = 128 // w.element_size()  # elements per 128-byte line
     pf_lines = 0
-    if launch["PDL"] and pdl.PREFETCH and ws[1] == 1:  # K-contiguous weight rows
+    if launch["PDL"] and "matmul" in pdl.PREFETCH and ws[1] == 1:  # K-contiguous weight rows
         pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), PREFETCH_BYTES // (
             128 * bn))  # fmt: skip
     _mm_kernel[grid](

@@ -35,9 +35,9 @@ import triton.language as tl
 from ddserve.kernels import backend
 
 # Under PDL, kernels that read weights or prefix keys ask L2 for their first lines before the
-# wait (`prefetch_l2`; the matmul, the router's gate, tree attention's prefix keys), so those
-# loads overlap the previous kernel. Benchmarks turn it off to measure it.
-PREFETCH = True
+# wait (`prefetch_l2`), so those loads overlap the previous kernel: the kernels named here
+# (benchmarks remove names to measure each).
+PREFETCH = frozenset({"matmul", "router", "attention"})
 
 
 def _interpreting() -> bool:

@@ -280,7 +280,7 @@ def route(
     launch = pdl.launch_options(x.device)
     pf_step = 128 // weight.element_size()  # gate values per 128-byte line
     pf_lines = 0
-    if launch["PDL"] and pdl.PREFETCH:
+    if launch["PDL"] and "router" in pdl.PREFETCH:
         pf_lines = triton.next_power_of_2(triton.cdiv(k_per, pf_step))
     _gate_partials_kernel[grid](
         x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,

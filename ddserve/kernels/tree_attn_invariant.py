@@ -362,7 +362,7 @@ def tree_mla_attention_invariant(
     launch = pdl.launch_options(q_latent.device)
     lines = 0  # cache rows that start on 128-byte lines: their lines, prefetched under PDL
     esize = kv_cache.element_size()
-    if launch["PDL"] and pdl.PREFETCH and kv_cache.data_ptr() % 128 == 0:
+    if launch["PDL"] and "attention" in pdl.PREFETCH and q_max > 1 and kv_cache.data_ptr() % 128 == 0:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128) if (
             kv_cache.stride(0) * esize % 128 == 0) else 0  # fmt: skip
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
