@@ -30,6 +30,11 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from then on.
   Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
   from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).
+CUDA sm_90+: every Triton / Gluon kernel of those paths launches with programmatic dependent
+launch (`pdl.py`; `KernelConfig.pdl`, DDSERVE_PDL=0 turns it off), waiting on the device for its
+predecessor; the matmul, the router's gate and verify-call tree attention prefetch their first
+weight / key lines into L2 before that wait. A linear may take `add` (the MoE's routed output
+added in the shared expert's down matmul), bitwise `linear(x, w) + add`.
 CUDA, batch-invariant mode off: the same MoE; tree attention `tree_attn_triton._tree_attn_kernel`
 (tiles tuned per call); linear / bmm_heads / rms_norm / row_sum in torch.
 """

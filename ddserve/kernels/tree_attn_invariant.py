@@ -175,8 +175,8 @@ def _tree_attn_inv_kernel(
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows; the tail tiles are done once per token with that token's keys (same `_key_tile`).
-    ROW_LINES > 0 (PDL launches): the first row tile's program of each split prefetches the
-    split's prefix keys into L2 before waiting for the previous kernel."""
+    ROW_LINES > 0 (PDL launches of verify calls): the first row tile's program of each split
+    prefetches the split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // tiles
@@ -360,9 +360,14 @@ def tree_mla_attention_invariant(
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
     launch = pdl.launch_options(q_latent.device)
-    lines = 0  # cache rows that start on 128-byte lines: their lines, prefetched under PDL
+    # Verify calls (q_max > 1) under PDL prefetch their prefix keys (cache rows that start on
+    # 128-byte lines). Decode calls do not: on an H200 (profile_step --variants, K2.6 rank
+    # slice) the prefetch took a 10-stream decode forward from 9.90 to 10.35 ms and left one
+    # stream's unchanged, while 10 streams verifying gained 0.15 ms.
+    lines = 0
     esize = kv_cache.element_size()
-    if launch["PDL"] and "attention" in pdl.PREFETCH and q_max > 1 and kv_cache.data_ptr() % 128 == 0:
+    aligned = kv_cache.data_ptr() % 128 == 0
+    if launch["PDL"] and "attention" in pdl.PREFETCH and q_max > 1 and aligned:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128) if (
             kv_cache.stride(0) * esize % 128 == 0) else 0  # fmt: skip
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
