@@ -42,15 +42,19 @@ def compile_one(cfg: invariant_configs.MMConfig, k: int, dtype: torch.dtype) -> 
     consts = dict(UNIT, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     k_per = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     consts.update(SPLIT=cfg.split, K_PER=k_per, FP32=dtype == torch.float32)
-    consts.update(PRECISION=cfg.precision, INTERPRET=False, REDUCE=True, PF_LINES=0, PF_STEP=64)
-    consts.update(PDL=False, ADD=False)
+    # as `_launch` launches it on an sm_90 device: PDL, with the weight prefetch before the wait
+    step = 128 // (2 if dtype != torch.float32 else 4)
+    lines = min(triton.next_power_of_2(triton.cdiv(k_per, step)),
+                invariant.PREFETCH_BYTES // (128 * cfg.block_n))  # fmt: skip
+    consts.update(PRECISION=cfg.precision, INTERPRET=False, REDUCE=True, PF_LINES=lines)
+    consts.update(PF_STEP=step, PDL=True, ADD=False)
     sig.update({c: "constexpr" for c in consts if c not in sig})
     names = list(sig)
     div16 = ["x_ptr", "w_ptr", "y_ptr", "r_ptr", "part_ptr", "ticket_ptr", "N"]
     div16 += [s for s in STRIDES if s not in UNIT]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = ASTSource(invariant._mm_kernel, sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    opts = {"num_warps": cfg.warps, "num_stages": cfg.stages, "launch_pdl": True}
     c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
     ptx = c.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")

@@ -31,6 +31,7 @@ V2 = {"variant": "v2"}
 V3 = {"variant": "v3"}
 VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwise the same bits)
     ("v3", V3, True),
+    ("v3-depth2", {**V3, "DEPTH": 2}, True),  # two weight steps in flight (same bits)
     ("v3-bm8", {**V3, "BM": 8}, True),
     ("v3-bm16", {**V3, "BM": 16}, True),
     ("v3-bm32", {**V3, "BM": 32}, True),
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
     ap.add_argument("--variants", action="store_true", help="time every variant, not just default")
+    ap.add_argument("--only", default=None, help="comma list of variant names to time")
     ap.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     ap.add_argument("--budget", type=float, default=115.0, help="seconds for the kernel sweep")
     ap.add_argument("--breakdown", action="store_true", help="kernel times of the first variant")
@@ -132,6 +134,12 @@ def main() -> None:
         rows.append((row, x, ids, tw, moe_ref(x, ids, tw, w)))
         res["rows"].append(row)
     todo = VARIANTS if args.variants else [v for v in VARIANTS if v[0] in ("v3", "v2-inv")]
+    if args.only:
+        names = args.only.split(",")
+        unknown = set(names) - set(VARIANTS_BY_NAME)
+        if unknown:
+            ap.error(f"--only: unknown variants {sorted(unknown)}")
+        todo = [v for v in VARIANTS if v[0] in names]
     for name, cfg, inv in todo:
         for row, x, ids, tw, ref in rows:
             if time.perf_counter() - start > args.budget:

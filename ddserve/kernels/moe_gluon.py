@@ -114,6 +114,11 @@ def _w4_gemm_kernel(
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
     SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
+    if PDL:  # `pdl.begin`: wait for the previous kernel, then let the next one be scheduled
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
     R: gl.constexpr = NREP * KC  # words per thread per step
@@ -127,11 +132,6 @@ def _w4_gemm_kernel(
     s_l: gl.constexpr = gl.BlockedLayout([2 * NREP], [32], [W], [0])
     x_l: gl.constexpr = _x_layout(W, BM)
 
-    if PDL:  # `pdl.begin`: wait for the previous kernel, then let the next one be scheduled
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
     pid = gl.program_id(0)
     pid_m = pid % num_mblocks
     rest = pid // num_mblocks

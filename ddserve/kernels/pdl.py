@@ -19,8 +19,10 @@ a prefetch returns no data, so even a stale address would cost bandwidth, never 
 launched without the attribute (torch's, NCCL's) keep plain stream order on both sides. The
 arithmetic of a kernel does not change with PDL, only when it starts.
 
-On (`KernelConfig.pdl`, default True; DDSERVE_PDL=0 turns it off) on CUDA devices of compute
-capability >= 9 outside the Triton interpreter.
+On (`KernelConfig.pdl`, default True) on CUDA devices of compute capability >= 9 outside the
+Triton interpreter. DDSERVE_PDL=0 turns it off for engines (`KernelConfig.resolve`); kernels
+called outside an engine follow `backend.current()`, whose default has it on (tests and
+benchmarks switch it with `backend.kernel_mode`).
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.router_ref import RoutingParams
 
 PROGRAMS_AT_T1 = 4 * 132  # gate programs to aim for at one token (an H200 has 132 SMs)
+# Under PDL a gate program of the first token tile prefetches its rows' K range before the wait,
+# up to this many bytes: all of it at K2.6 (32 experts x 1024 bf16 values per program).
+GATE_PREFETCH_BYTES = 64 << 10
 MAX_TOP_K = 32
 
 
@@ -279,9 +282,10 @@ def route(
     grid = (triton.cdiv(e, cfg.block_e) * cfg.split, triton.cdiv(t, cfg.block_t))
     launch = pdl.launch_options(x.device)
     pf_step = 128 // weight.element_size()  # gate values per 128-byte line
-    pf_lines = 0
+    pf_lines = 0  # at most GATE_PREFETCH_BYTES per program
     if launch["PDL"] and "router" in pdl.PREFETCH:
-        pf_lines = triton.next_power_of_2(triton.cdiv(k_per, pf_step))
+        cap = GATE_PREFETCH_BYTES // (128 * cfg.block_e)
+        pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), cap)
     _gate_partials_kernel[grid](
         x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
         BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,

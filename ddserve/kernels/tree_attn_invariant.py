@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.kernels import pdl
+from ddserve.kernels import backend, pdl
 from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.tree_attn import TreeAttnMeta
@@ -260,7 +260,7 @@ def _combine_kernel(
     head = row % H
     dr = tl.arange(0, R)
     inside = tl.zeros([], dtype=tl.int32)
-    for b in range(0, nblocks):
+    for b in range(0, nblocks):  # a few blocks per call (the batch); O(blocks) per program
         q0 = tl.load(q_starts_ptr + b)
         inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b))).to(tl.int32)
     if inside == 0:
@@ -360,14 +360,15 @@ def tree_mla_attention_invariant(
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
     launch = pdl.launch_options(q_latent.device)
-    # Verify calls (q_max > 1) under PDL prefetch their prefix keys (cache rows that start on
-    # 128-byte lines). Decode calls do not: on an H200 (profile_step --variants, K2.6 rank
-    # slice) the prefetch took a 10-stream decode forward from 9.90 to 10.35 ms and left one
-    # stream's unchanged, while 10 streams verifying gained 0.15 ms.
+    # Verify calls (q_max > 1, not a prompt chunk) under PDL prefetch their prefix keys (cache
+    # rows that start on 128-byte lines). Decode calls do not: on an H200 (profile_step
+    # --variants, K2.6 rank slice) the prefetch took a 10-stream decode forward from 9.90 to
+    # 10.35 ms and left one stream's unchanged, while 10 streams verifying gained 0.15 ms.
+    # Prompt chunks do not either: their prefixes can be far larger than L2.
     lines = 0
     esize = kv_cache.element_size()
-    aligned = kv_cache.data_ptr() % 128 == 0
-    if launch["PDL"] and "attention" in pdl.PREFETCH and q_max > 1 and aligned:
+    verify = q_max > 1 and not backend.in_prefill_phase()
+    if launch["PDL"] and "attention" in pdl.PREFETCH and verify and kv_cache.data_ptr() % 128 == 0:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128) if (
             kv_cache.stride(0) * esize % 128 == 0) else 0  # fmt: skip
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](

@@ -18,7 +18,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200]]
+# the last prompt's 300 tokens give its attention calls several key splits (256 keys each)
+PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200],
+           [(7 * i) % 250 for i in range(300)]]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,26 @@ def test_forwards_with_pdl_equal_forwards_without_bit_for_bit(model_dir, graphs,
         assert on._graphs is not None and off._graphs is not None
     on.close()
     off.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_ddtree_with_pdl_equals_ddtree_without_and_plain_decoding(model_dir, graphs, monkeypatch):
+    """Whole DDTree steps (with graphs: the draft and verify in one captured graph), PDL on and
+    off, against plain decoding: the same greedy tokens on every stream."""
+    from engine_helpers import run_all
+
+    params = SamplingParams(max_tokens=20)
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setenv("DDSERVE_PDL", "1" if on else "0")
+        cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
+        runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter",
+                             device="cuda")  # fmt: skip
+        outs[on] = run_all(runner, PROMPTS, params, speculative=True)
+        if on:
+            outs["ar"] = run_all(runner, PROMPTS, params, speculative=False)
+        runner.close()
+    assert outs[True] == outs[False] == outs["ar"]
 
 
 def test_pdl_is_used_on_sm90_and_later() -> None:

@@ -183,3 +183,26 @@ def test_split_sum_ref_adds_in_split_order() -> None:
 if __name__ == "__main__":
     patch_interpreter()
     print(json.dumps(_run_checks()))
+
+
+def test_linear_add_must_match_the_output() -> None:
+    require_triton()
+    from ddserve.kernels import invariant
+
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    for bad in (torch.zeros(3, 4), torch.zeros(3, 5, dtype=torch.float64), torch.zeros(5, 3)):
+        with pytest.raises(ValueError, match="does not match the output"):
+            invariant.linear(x, w, add=bad)
+
+
+def test_row_parallel_linear_adds_only_to_an_unreduced_partial() -> None:
+    from ddserve.distributed import LocalComm
+    from ddserve.model.layers import RowParallelLinear
+
+    x, add = torch.randn(3, 8), torch.randn(3, 5)
+    partial = RowParallelLinear(8, 5, LocalComm(), torch.float32, "cpu", reduce=False)
+    torch.nn.init.normal_(partial.weight)
+    assert torch.equal(partial(x, add=add), torch.nn.functional.linear(x, partial.weight) + add)
+    reduced = RowParallelLinear(8, 5, LocalComm(), torch.float32, "cpu", reduce=True)
+    with pytest.raises(ValueError, match="reduce=False"):
+        reduced(x, add=add)

@@ -23,7 +23,9 @@ from tests.triton_interp import require_triton
 PDL_MODULES = (
     "invariant", "fused", "router", "tree_attn_invariant", "moe_align", "moe_reduce", "moe_gluon",
 )  # fmt: skip
-MEMORY_CALLS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max"}
+MEMORY_CALLS = {"load", "store", "async_copy", "async_copy_global_to_shared"} | {
+    f"atomic_{op}" for op in ("add", "cas", "xchg", "max", "min", "and", "or", "xor")
+}  # fmt: skip
 
 
 def test_pdl_is_on_by_default_and_ddserve_pdl_0_turns_it_off() -> None:
@@ -100,6 +102,10 @@ def test_every_pdl_kernel_waits_before_touching_memory_or_returning() -> None:
                     assert node.func.attr not in MEMORY_CALLS, (
                         f"{name}: {ast.unparse(node)[:80]} before the wait"
                     )  # fmt: skip
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                    assert node.func.id.startswith("prefetch"), (
+                        f"{name}: {node.func.id}(...) before the wait (only prefetch helpers)"
+                    )  # fmt: skip
 
 
 def _order(ptx: str) -> tuple[int, int, int]:
@@ -139,6 +145,48 @@ def test_matmul_ptx_prefetches_weights_then_waits_before_any_memory_access() -> 
     wait, mem, pref = _order(ptx)
     assert 0 <= pref < wait < mem, (pref, wait, mem)
     assert "griddepcontrol.launch_dependents" in ptx
+
+
+def test_router_ptx_prefetches_the_gate_then_waits_before_any_memory_access() -> None:
+    require_triton()
+    from triton.compiler import ASTSource
+
+    from ddserve.kernels import router
+
+    sig = dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", T="i32", sx="i32", sw="i32")
+    consts = dict(E=384, D=7168, E_PAD=384, BLOCK_T=64, BLOCK_E=32, BLOCK_K=32, UNROLL=4, SPLIT=7)
+    consts.update(K_PER=1024, MMA=True, BF16=True, PDL=True, PF_LINES=16, PF_STEP=64)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    ptx = _compile(ASTSource(router._gate_partials_kernel, sig, constexprs=consts), warps=4)
+    wait, mem, pref = _order(ptx)
+    assert 0 <= pref < wait < mem, (pref, wait, mem)
+
+
+def test_tree_attention_ptx_reads_only_metadata_before_its_wait() -> None:
+    """Before the wait: the prefix length and slots (loads) and the key prefetches; every store,
+    copy and atomic after it, and the query/key loads too (checked as: the first load after the
+    prefetches comes after the wait)."""
+    require_triton()
+    from triton.compiler import ASTSource
+
+    from ddserve.kernels import tree_attn_invariant as ta
+
+    names = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "q_starts_ptr",
+             "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr", "mask_ptr")  # fmt: skip
+    types = ("*bf16",) * 4 + ("*fp32",) * 2 + ("*i64",) * 5 + ("*u8",)
+    sig = dict(zip(names, types, strict=True), scale_log2="fp32")
+    ints = ("tiles", "nsplit", "stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_kv",
+            "stride_ot", "stride_oh", "stride_ps", "stride_mb", "stride_mq")  # fmt: skip
+    sig.update(dict.fromkeys(ints, "i32"))
+    consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=9, LINE_PAD=16)
+    consts.update(LINE_STEP=64)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    ptx = _compile(ASTSource(ta._tree_attn_inv_kernel, sig, constexprs=consts), warps=8)
+    wait, pref = ptx.find("griddepcontrol.wait"), ptx.rfind("prefetch.global.L2")
+    write = re.search(r"\b(st\.global|cp\.async|atom\.|red\.)", ptx)
+    assert 0 <= pref < wait < (write.start() if write else len(ptx))
+    before = ptx[:wait]
+    assert len(re.findall(r"\bld\.global", before)) <= 2 + 256, "more than plen and the slots"
 
 
 def test_gluon_moe_ptx_waits_before_any_memory_access() -> None:
