@@ -31,26 +31,23 @@ sum of the partials); `backend` chooses between them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ddserve.kernels import pdl
 from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
+from ddserve.kernels.pdl import (
+    _interpreting,  # noqa: F401 (also used by fused.py)
+    prefetch_l2,
+)
 from ddserve.kernels.pdl import begin as pdl_begin
-from ddserve.kernels.pdl import prefetch_l2
 
 # L2 prefetch per matmul program before its PDL wait (`pdl.PREFETCH`): the first lines of its
 # weight rows, at most this many bytes. The programs resident while the previous kernel
 # finishes (up to ~2 per SM) then start on warm lines; the cap keeps the lm_head's from
 # flooding L2.
 PREFETCH_BYTES = 32 << 10
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

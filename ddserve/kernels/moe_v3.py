@@ -158,7 +158,8 @@ def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
 
 
 def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cfg: dict, *,
-          split: int, nt: int, gather: bool, down: bool, topk: int) -> object:  # fmt: skip
+          split: int, nt: int, gather: bool, down: bool, topk: int,
+          launch: dict) -> object:  # fmt: skip
     from ddserve.kernels.moe_gluon import _w4_gemm_kernel
 
     ks = stream.k_steps
@@ -171,7 +172,7 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         x.stride(0), stride_os, stride_or, stream.words.stride(0), stream.scales.stride(0),
         TOPK=topk, GATHER=gather, W=stream.w, NREP=stream.nrep, BM=cfg["BM"], KS_TOTAL=ks,
         KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"], num_warps=stream.w,
-        **pdl.launch_options(x.device),
+        **launch,
     )  # fmt: skip
     LAST_LAUNCH["down" if down else "up"] = dict(
         programs=grid, warps=stream.w, n_regs=getattr(k, "n_regs", None),
@@ -221,7 +222,7 @@ def fused_moe_v3(
     part = torch.empty(split, nb * bm, 2 * inter, dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
     _gemm(xin, w13, part, sorted_pairs, block_expert, tw, p, nb, cfg, split=split, nt=1,
-          gather=True, down=False, topk=topk)  # fmt: skip
+          gather=True, down=False, topk=topk, launch=launch)  # fmt: skip
     h = torch.empty(nb * bm, inter, dtype=torch.bfloat16, device=dev)  # [rows, I]
     _silu_kernel[(nb, triton.cdiv(inter, 64))](
         part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1), h.stride(0),
@@ -233,7 +234,7 @@ def fused_moe_v3(
     else:
         nt = _largest_divisor(w2.n_tiles, cfg["NT"])
     _gemm(h, w2, y, sorted_pairs, block_expert, tw, p, nb, cfg, split=1, nt=nt, gather=False,
-          down=True, topk=topk)  # fmt: skip
+          down=True, topk=topk, launch=launch)  # fmt: skip
     out = torch.empty_like(x)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
         y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024, **launch

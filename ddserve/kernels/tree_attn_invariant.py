@@ -368,9 +368,9 @@ def tree_mla_attention_invariant(
     lines = 0
     esize = kv_cache.element_size()
     verify = q_max > 1 and not backend.in_prefill_phase()
-    if launch["PDL"] and "attention" in pdl.PREFETCH and verify and kv_cache.data_ptr() % 128 == 0:
-        lines = triton.cdiv(kv_cache.shape[1] * esize, 128) if (
-            kv_cache.stride(0) * esize % 128 == 0) else 0  # fmt: skip
+    aligned = kv_cache.data_ptr() % 128 == 0 and kv_cache.stride(0) * esize % 128 == 0
+    if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
+        lines = triton.cdiv(kv_cache.shape[1] * esize, 128)
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
         q_latent, q_rope, kv_cache, out, po, plse,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
