@@ -134,6 +134,19 @@ def tree_attention(device_type: str) -> Callable:
     return impl
 
 
+def moe_pairs(x: torch.Tensor, topk_ids, topk_weights, weights) -> torch.Tensor | None:
+    """The routed experts without their top-k combine: [T * k, D] fp32, pair t * k + j the
+    output of token t's slot-j expert times its weight, for a caller that folds the combine into
+    a later launch (`linear(..., add_topk=k)`). Only where the Gluon MoE (v3) runs these experts
+    (CUDA, batch-invariant mode, experts already repacked for it by an earlier call); None
+    elsewhere, and the caller uses `moe`."""
+    if not (_current.batch_invariant and x.device.type == "cuda"):
+        return None
+    from ddserve.kernels.moe_triton import fused_moe_pairs
+
+    return fused_moe_pairs(x, topk_ids, topk_weights, weights)
+
+
 @functools.cache
 def moe(device_type: str) -> Callable:
     """`ddserve.kernels.moe_ref.moe_ref`'s signature; Triton / Gluon on CUDA when it imports, else
@@ -213,16 +226,35 @@ def _invariant_for(op: str, x: torch.Tensor):
     return kernels
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0,
+    gated: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics), then + `add` when given (one
-    launch on the batch-invariant path, the same bits as the two torch ops)."""
+    launch on the batch-invariant path, the same bits as the torch ops it stands for).
+    add_topk = k > 0: `add` is [M * k, N] fp32, k rows per output row summed in slot order and
+    rounded (the MoE's top-k combine) before the add. `gated`: x is [..., 2K] (gate | up) and
+    the product is of `silu_mul(x)`."""
+    from ddserve.kernels.fused_ref import silu_mul_ref
     from ddserve.kernels.invariant_ref import linear_ref
 
     kernels = _invariant_for("linear", x)
     if kernels:
-        return kernels.linear(x, w, add)
-    y = linear_ref(x, w)
+        return kernels.linear(x, w, add, add_topk=add_topk, gated=gated)
+    y = linear_ref(silu_mul_ref(x) if gated else x, w)
+    if add is not None and add_topk:
+        add = combine_ref(add, add_topk, y.dtype).view(y.shape)
     return y if add is None else y + add
+
+
+def combine_ref(pairs: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:
+    """[M * k, N] fp32 -> [M, N] in dtype: each row's k pair rows summed in slot order (fp32),
+    rounded once: the MoE's top-k combine (`moe_reduce._combine_kernel`)."""
+    rows = pairs.view(-1, topk, pairs.shape[-1])  # [M, k, N]
+    acc = torch.zeros_like(rows[:, 0])
+    for j in range(topk):
+        acc = acc + rows[:, j]
+    return acc.to(dtype)
 
 
 def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,11 @@ from ddserve.kernels import backend
 from ddserve.kernels.moe_common import may_fall_back
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v2 import fused_moe_v2
+from ddserve.kernels.moe_v3 import CHUNK as MOE_V3_CHUNK
 from ddserve.kernels.moe_v3 import fused_moe_v3
 from ddserve.kernels.moe_w4_repack import in_place_started
 
-__all__ = ["VARIANTS", "default_variant", "fused_moe"]
+__all__ = ["VARIANTS", "default_variant", "fused_moe", "fused_moe_pairs"]
 
 log = logging.getLogger(__name__)
 VARIANTS = {"v2": fused_moe_v2, "v3": fused_moe_v3}
@@ -86,3 +87,20 @@ def fused_moe(
         V3_ERROR = f"{type(exc).__name__}: {str(exc)[:500]}"
         log.warning("MoE v3 failed, using v2 from now on: %s", V3_ERROR)
         return fused_moe_v2(x, topk_ids, topk_weights, weights)
+
+
+def fused_moe_pairs(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights
+) -> torch.Tensor | None:
+    """v3 without its combine launch ([T * k, H] fp32 weighted pair outputs, `fused_moe_v3(...,
+    combine=False)`) when these experts are the model's own, already repacked in place for v3
+    (from the first forward on), no other variant is asked for and T fits one launch set (the
+    pairs are the buffer v3 fills anyway; larger calls, prompt chunks, keep their combine);
+    else None."""
+    if backend.current().moe_variant not in (None, "v3") or not weights.is_int4:
+        return None
+    if x.shape[0] > MOE_V3_CHUNK:
+        return None
+    if not (x.is_cuda and in_place_started(weights.w13_packed)):
+        return None
+    return fused_moe_v3(x, topk_ids, topk_weights, weights, combine=False)

@@ -140,6 +140,26 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
+_ONE_TOKEN_PAIRS: dict[tuple, torch.Tensor] = {}  # kept: captured graphs hold their addresses
+
+
+def _one_token_blocks(topk_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [k * bm], block_expert [k]) for one token without the alignment launch:
+    block j holds pair j (slot j) in its first row and padding (k) in the others, its expert is
+    topk_ids[0, j]. Blocks in slot order instead of expert order change no output bit: a pair's
+    rows are computed within its block and written to the pair's own rows."""
+    k = topk_ids.shape[1]
+    key = (k, bm, topk_ids.device)
+    pairs = _ONE_TOKEN_PAIRS.get(key)
+    if pairs is None:
+        if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MoE v3: run one eager one-token forward before graph capture")
+        pairs = torch.full((k, bm), k, dtype=torch.int64)
+        pairs[:, 0] = torch.arange(k)
+        pairs = _ONE_TOKEN_PAIRS[key] = pairs.reshape(-1).to(topk_ids.device)
+    return pairs, topk_ids.reshape(-1)
+
+
 def pick_bm(pairs: int, num_experts: int) -> int:
     """Tokens per block: 8 while most touched experts get a few tokens (less padding in the MMA
     and in x), 16 past that (an expert's weights are streamed once per block). H200, K2.6
@@ -189,8 +209,12 @@ def fused_moe_v3(
     *,
     config: dict | None = None,
     invariant: bool = True,  # always: the config is fixed
+    combine: bool = True,
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """`moe_ref`'s contract with the Gluon kernel (INT4, bf16 scales, CUDA)."""
+    """`moe_ref`'s contract with the Gluon kernel (INT4, bf16 scales, CUDA). combine=False:
+    the [T * k, H] fp32 weighted output of every (token, slot) pair instead (pair t * k + j),
+    which `_combine_kernel` would sum in slot order; the caller folds that sum into a later
+    launch (`invariant.linear(..., add_topk=k)`)."""
     if x.device.type != "cuda":
         raise RuntimeError("MoE v3 (Gluon) runs on CUDA GPUs only; use variant v2 elsewhere")
     if not weights.is_int4 or weights.w13_scale.dtype != torch.bfloat16:
@@ -198,11 +222,11 @@ def fused_moe_v3(
     cfg = _config(config)
     t = x.shape[0]
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if combine else torch.zeros_like(x, dtype=torch.float32)
     if t > CHUNK:
         return torch.cat([
             fused_moe_v3(x[i : i + CHUNK], topk_ids[i : i + CHUNK], topk_weights[i : i + CHUNK],
-                         weights, config=config)
+                         weights, config=config, combine=combine)
             for i in range(0, t, CHUNK)
         ])  # fmt: skip
     w13, w2 = prepare(weights, cfg["W"], cfg["NREP"])
@@ -212,8 +236,11 @@ def fused_moe_v3(
     num_experts = w13.words.shape[0]
     bm = pick_bm(p, num_experts) if cfg["BM"] == "auto" else cfg["BM"]
     cfg["BM"] = bm
-    align = align_by_expert_triton if p <= MAX_PAIRS else align_by_expert  # (top-k > 8)
-    sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
+    if t == 1:  # one token's k experts are distinct: k blocks of one pair each, no sort
+        sorted_pairs, block_expert = _one_token_blocks(topk_ids, bm)
+    else:
+        align = align_by_expert_triton if p <= MAX_PAIRS else align_by_expert  # (top-k > 8)
+        sorted_pairs, block_expert = align(topk_ids, num_experts, bm)
     nb = block_expert.numel()
     xin = x.to(torch.bfloat16).contiguous()  # [T, H]
     dev = x.device
@@ -235,6 +262,8 @@ def fused_moe_v3(
         nt = _largest_divisor(w2.n_tiles, cfg["NT"])
     _gemm(h, w2, y, sorted_pairs, block_expert, tw, p, nb, cfg, split=1, nt=nt, gather=False,
           down=True, topk=topk, launch=launch)  # fmt: skip
+    if not combine:
+        return y
     out = torch.empty_like(x)
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
         y, out, hidden, y.stride(0), out.stride(0), TOPK=topk, BC=1024, **launch

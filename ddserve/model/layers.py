@@ -109,12 +109,17 @@ class RowParallelLinear(Linear):
         super().__init__(in_local, out_features, dtype, device)
         self.comm, self.reduce = comm, reduce
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0,
+        gated: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """This rank's x @ W^T, all-reduced when `reduce`; without it, plus `add` (a partial
-        of the same sum, e.g. the MoE's routed experts) in the matmul's launch."""
+        of the same sum, e.g. the MoE's routed experts, as `backend.linear` takes it with
+        `add_topk`) in the matmul's launch. `gated`: x is [..., 2K] (gate | up) and the input
+        is silu(gate) * up (`backend.linear`)."""
         if add is not None and self.reduce:
             raise ValueError("add is a partial of the un-reduced sum: only with reduce=False")
-        y = backend.linear(x, self.weight, add)
+        y = backend.linear(x, self.weight, add, add_topk=add_topk, gated=gated)
         return reduce_partials(self.comm, y) if self.reduce else y
 
 

@@ -58,16 +58,21 @@ class DenseMLP(nn.Module):
         g, u = self.gate_proj.weight, self.up_proj.weight
         return stacked_rows(g, u) if g.shape == u.shape else None
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, D] -> [T, D]; plus `add` in the down projection's launch (reduce=False only)."""
+    def forward(
+        self, x: torch.Tensor, add: torch.Tensor | None = None, add_topk: int = 0
+    ) -> torch.Tensor:
+        """[T, D] -> [T, D]; plus `add` in the down projection's launch (reduce=False only;
+        `add_topk` as `backend.linear` takes it)."""
         merged = None
         if backend.batch_invariant() and x.device.type == "cuda":
             merged = self.gate_up_weight()
         if merged is None:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
-        else:  # one matmul, then silu(gate) * up in one launch (bitwise the torch ops)
-            h = backend.silu_mul(backend.linear(x, merged))  # [T, 2 I_local] -> [T, I_local]
-        return self.down_proj(h, add=add)
+            return self.down_proj(h, add=add, add_topk=add_topk)
+        gu = backend.linear(x, merged)  # [T, 2 I_local]: one matmul for gate and up
+        if x.dtype in (torch.bfloat16, torch.float16):  # silu(gate) * up inside the down matmul
+            return self.down_proj(gu, add=add, add_topk=add_topk, gated=True)
+        return self.down_proj(backend.silu_mul(gu), add=add, add_topk=add_topk)
 
 
 class Router(nn.Module):
@@ -257,8 +262,13 @@ class MoE(nn.Module):
         ids, weights = self.gate(x)
         if self.route_hook is not None:
             self.route_hook(ids)
-        moe = backend.moe(backend.device_type(x))
-        y = moe(x, ids, weights, self.experts.weights())  # [T, D] this rank's partial
+        experts = self.experts.weights()
+        if self.shared_experts is not None:
+            pairs = backend.moe_pairs(x, ids, weights, experts)  # [T * k, D] fp32, or None
+            if pairs is not None:  # the top-k sum and routed + shared in the shared down matmul
+                y = self.shared_experts(x, add=pairs, add_topk=ids.shape[1])
+                return reduce_partials(self.comm, y)
+        y = backend.moe(backend.device_type(x))(x, ids, weights, experts)  # [T, D] this rank's
         if self.shared_experts is not None:  # routed + shared, added in the down matmul
             y = self.shared_experts(x, add=y)
         return reduce_partials(self.comm, y)

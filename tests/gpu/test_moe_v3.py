@@ -112,3 +112,70 @@ def test_v3_rejects_unknown_config_keys():
     ids = torch.zeros(1, 8, dtype=torch.int64, device="cuda")
     with pytest.raises(ValueError, match="BN2"):
         fused_moe(x, ids, torch.ones(1, 8, device="cuda"), w, config={"variant": "v3", "BN2": 32})
+
+
+def test_moe_layer_folds_the_combine_into_the_shared_down_matmul():
+    """`MoE.forward` on CUDA in batch-invariant mode: the first call runs v3 with its combine
+    launch (and repacks the experts in place); later calls take the pair outputs
+    (`backend.moe_pairs`) and sum them in the shared expert's down matmul, which also computes
+    the shared silu(gate) * up in its tiles. Both give the same bits as the separate launches,
+    at 1, 17 and 170 tokens (K2.6 rank shapes at tp = 8, random weights)."""
+    from ddserve.config import ModelConfig
+    from ddserve.distributed import LocalComm
+    from ddserve.kernels import backend
+    from ddserve.kernels.config import KernelConfig
+    from ddserve.kernels.fused import silu_mul
+    from ddserve.kernels.invariant import linear
+    from ddserve.model.moe import MoE
+
+    quant = dict(quant_method="compressed-tensors", format="pack-quantized", config_groups=dict(
+        group_0=dict(targets=["Linear"], weights=dict(num_bits=4, type="int", symmetric=True,
+                     group_size=32, strategy="group"))))  # fmt: skip
+    cfg = ModelConfig.from_hf(dict(
+        model_type="kimi_k2", vocab_size=1024, hidden_size=7168, intermediate_size=2304,
+        moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
+        n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.827, norm_topk_prob=True, scoring_func="sigmoid",
+        topk_method="noaux_tc", num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        quantization_config=quant,
+    ))  # fmt: skip
+    layer = MoE(cfg, LocalComm(), torch.bfloat16, "cuda")
+    w = k26_experts()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+            getattr(layer.experts, name).copy_(getattr(w, name))
+        for p in (*layer.shared_experts.parameters(), layer.gate.weight):
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        layer.gate.e_score_correction_bias.zero_()
+    host = torch.Generator().manual_seed(23)
+    with backend.kernel_mode(KernelConfig(batch_invariant=True)):
+        for t in (1, 17, 170):
+            x = torch.randn(t, 7168, generator=host).to(torch.bfloat16).cuda()
+            ids, tw = layer.gate(x)
+            experts = layer.experts.weights()
+            combined = backend.moe("cuda")(x, ids, tw, experts)  # (the first call repacks)
+            assert backend.moe_pairs(x, ids, tw, experts) is not None
+            mlp = layer.shared_experts
+            gu = linear(x, mlp.gate_up_weight())
+            want = linear(silu_mul(gu), mlp.down_proj.weight, combined)
+            assert torch.equal(layer(x), want), t
+
+
+def test_one_token_without_alignment_equals_its_row_in_a_batch():
+    """A one-token call skips the expert alignment (one block per slot, in slot order); its
+    output is bitwise the token's row in calls of 2 and 5 tokens, which align (K2.6 shapes)."""
+    from ddserve.kernels.moe_triton import fused_moe
+
+    w = k26_experts()
+    gen = torch.Generator().manual_seed(24)
+    x = torch.randn(5, 7168, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = random_routing(5, 384, 8, gen)
+    five = fused_moe(x, ids, tw, w, config={"variant": "v3"})
+    two = fused_moe(x[3:], ids[3:], tw[3:], w, config={"variant": "v3"})
+    for t in range(5):
+        one = fused_moe(x[t : t + 1], ids[t : t + 1], tw[t : t + 1], w, config={"variant": "v3"})
+        assert torch.equal(one, five[t : t + 1]), t
+        if t >= 3:
+            assert torch.equal(one, two[t - 3 : t - 2]), t
