@@ -61,7 +61,7 @@ def check_row_alone_equals_row_among_others(router, name: str) -> None:
     t, e, d, p = SHAPES[name]
     x, w, b = inputs(t, e, d, seed=100 + len(name))
     ids, wts = router.route(x, w, b, p)  # [T, k] each
-    for i in range(t):
+    for i in sorted({0, 1, t // 2, t - 2, t - 1}):  # first, second, a middle and the last rows
         alone = router.route(x[i : i + 1], w, b, p)
         assert torch.equal(alone[0][0], ids[i]) and torch.equal(alone[1][0], wts[i]), i
     sub = router.route(x[3:t], w, b, p)  # other neighbours, other token tiles
@@ -91,11 +91,11 @@ def check_bf16_gate(router) -> None:
     products (exact) and the FMA form widens the weight; both give the fp32 reference's ids and
     weights and are row-invariant."""
     p = RoutingParams(6, 1, 1, True, 2.5)
-    x, w, b = inputs(21, 45, 300, seed=13)
+    x, w, b = inputs(18, 45, 120, seed=13)
     w16 = w.bfloat16()
     for cfg in (router.RouterConfig(16, 16, 16, 2, 3, 4, mma=True),
                 router.RouterConfig(4, 8, 16, 2, 3, 4)):  # fmt: skip
-        _reference_ids_and_row_invariant(router, x, w16, b, p, cfg, rows=(0, 17, 20))
+        _reference_ids_and_row_invariant(router, x, w16, b, p, cfg, rows=(0, 17))
         ref = router.route(x, w16.float(), b, p, cfg)  # the same values as an fp32 gate
         assert torch.equal(router.route(x, w16, b, p, cfg)[0], ref[0]), cfg
 
