@@ -22,12 +22,15 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - route (the MoE router, any float activations): `router._gate_partials_kernel` + `_select_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its device's configuration (SPLIT 256; BN 64
-  in 3 stages on H100/H200, else 32; BM 32, or 16 for decode and small calls), `_combine_kernel`
-  merging the splits when there is more than one
+  in 3 stages on H100/H200, else 32; BM 32, or 16 for decode and small calls); with more than
+  one split the last split program of each row tile merges them in split order, in the same
+  launch
 - routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
   kernel `moe_gluon`, experts repacked in place by `moe_w4_repack`, expert alignment
-  `moe_align.align_by_expert_triton` (its torch version past 8192 pairs), fixed-order
-  sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from then on.
+  `moe_align.align_by_expert_triton` (its torch version past 8192 pairs; none for one token),
+  fixed-order sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from
+  then on. `moe_pairs`: v3 without its top-k combine, which the shared expert's down matmul
+  then does in its epilogue (`linear(..., add_topk=k)`)
   Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
   from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).
 CUDA sm_90+: every Triton / Gluon kernel of those paths launches with programmatic dependent

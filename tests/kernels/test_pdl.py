@@ -171,15 +171,17 @@ def test_tree_attention_ptx_reads_only_metadata_before_its_wait() -> None:
 
     from ddserve.kernels import tree_attn_invariant as ta
 
-    names = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "q_starts_ptr",
-             "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr", "mask_ptr")  # fmt: skip
-    types = ("*bf16",) * 4 + ("*fp32",) * 2 + ("*i64",) * 5 + ("*u8",)
+    names = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "ticket_ptr",
+             "q_starts_ptr", "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr",
+             "mask_ptr")  # fmt: skip
+    types = ("*bf16",) * 4 + ("*fp32",) * 2 + ("*i32",) + ("*i64",) * 5 + ("*u8",)
     sig = dict(zip(names, types, strict=True), scale_log2="fp32")
-    ints = ("tiles", "nsplit", "stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_kv",
-            "stride_ot", "stride_oh", "stride_ps", "stride_mb", "stride_mq")  # fmt: skip
+    ints = ("tiles", "nsplit", "nrows", "stride_qt", "stride_qh", "stride_rt", "stride_rh",
+            "stride_kv", "stride_ot", "stride_oh", "stride_ps", "stride_mb",
+            "stride_mq")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
     consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=9, LINE_PAD=16)
-    consts.update(LINE_STEP=64)
+    consts.update(LINE_STEP=64, REDUCE=True)  # the default: the split merge in the launch
     sig.update(dict.fromkeys(consts, "constexpr"))
     ptx = _compile(ASTSource(ta._tree_attn_inv_kernel, sig, constexprs=consts), warps=8)
     wait, pref = ptx.find("griddepcontrol.wait"), ptx.rfind("prefetch.global.L2")
