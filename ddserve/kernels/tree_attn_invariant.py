@@ -144,13 +144,17 @@ def _merge_splits(out_ptr, po_ptr, plse_ptr, o_rows, prow, row_ok, nlive, R: tl.
     columns, each recomputing the same weights: with whole [BM, R] rows the unrolled loads spill
     (ptxas sm_90, R = 512, BM = 32: ~2 KB more than the two-launch kernel; 64-column passes: as
     many as it). Loads skip L1 (.cg): other SMs wrote them."""
-    m = tl.full([prow.shape[0]], float("-inf"), dtype=tl.float32)  # [BM]
+    # the max of each row's lses: elementwise over BS-wide chunks, reduced after the loop (a
+    # reduction inside the loop trips an assertion of Triton 3.6's thread-locality pass on
+    # sm_90; a max is exact in any order)
+    mc = tl.full([prow.shape[0], BS], float("-inf"), dtype=tl.float32)  # [BM, BS]
     for s0 in range(0, nlive, BS):
         ss = s0 + tl.arange(0, BS)  # [BS]
         ok = row_ok[:, None] & (ss < nlive)[None, :]
         lses = tl.load(plse_ptr + prow[:, None] + ss[None, :], mask=ok, other=float("-inf"),
                        cache_modifier=".cg")  # fmt: skip
-        m = tl.maximum(m, tl.max(lses, 1))
+        mc = tl.maximum(mc, lses)
+    m = tl.max(mc, 1)  # [BM]
     m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
     for c0 in tl.static_range(0, R, RC):
         dc = c0 + tl.arange(0, RC)  # [RC] this pass's columns
@@ -199,14 +203,13 @@ def _zero_outside(
     for r0 in range(tl.program_id(0) * BM, nrows * H, tl.num_programs(0) * BM):
         r = r0 + tl.arange(0, BM)  # [BM] (token, head) rows
         t = (r // H).to(tl.int64)
-        inside = tl.zeros([BM], dtype=tl.int32)
+        hits = tl.zeros([BM, BB], dtype=tl.int32)  # (summed after the loop, as in _merge_splits)
         for b0 in range(0, nblocks, BB):  # the blocks, BB at a time
             bb = b0 + tl.arange(0, BB)  # [BB]
             q0 = tl.load(q_starts_ptr + bb, mask=bb < nblocks, other=0)
             q1 = q0 + tl.load(q_lens_ptr + bb, mask=bb < nblocks, other=0)
-            hit = (q0[None, :] <= t[:, None]) & (t[:, None] < q1[None, :])  # [BM, BB]
-            inside += tl.sum(hit.to(tl.int32), 1)
-        ok = (r < nrows * H) & (inside == 0)
+            hits += ((q0[None, :] <= t[:, None]) & (t[:, None] < q1[None, :])).to(tl.int32)
+        ok = (r < nrows * H) & (tl.sum(hits, 1) == 0)
         o_ptrs = out_ptr + t[:, None] * stride_ot + (r % H)[:, None] * stride_oh + dr[None, :]
         tl.store(o_ptrs, tl.zeros([BM, R], dtype=out_ptr.dtype.element_ty), mask=ok[:, None])
 
