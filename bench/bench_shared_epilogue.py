@@ -1,5 +1,12 @@
-"""The shared expert's down projection with the MoE combine and the silu-mul folded in or not
-(K2.6 rank shapes: I = 256, H = 7168, top-8), CUDA-graph replay times in us, one JSON."""
+"""The shared expert's down matmul with the MoE's top-k combine in its own launch or in the
+matmul's epilogue (`invariant.linear(..., add_topk=k)`), K2.6 rank shapes (intermediate 256,
+hidden 7168, top-8), at several token counts: CUDA-graph replay times in us, one JSON. The two
+give the same bits (asserted); `moe_triton.PAIRS_MAX_TOKENS` is chosen from these times.
+
+    python3 bench/bench_shared_epilogue.py --out shared_epilogue.json
+"""
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -13,35 +20,47 @@ from ddserve.kernels.fused import silu_mul
 from ddserve.kernels.invariant import linear
 from ddserve.kernels.moe_reduce import _combine_kernel
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
-args = ap.parse_args()
-dev, H, I, K = "cuda", 7168, 256, 8
-w = (torch.randn(H, I, device=dev) / I**0.5).bfloat16()
-res = {}
-with backend.kernel_mode(KernelConfig(batch_invariant=True)):
-    for t in (1, 10, 170):
-        gu = torch.randn(t, 2 * I, device=dev).bfloat16()
-        pairs = torch.randn(t * K, H, device=dev) * 0.1
+HIDDEN, INTER, TOPK = 7168, 256, 8
 
-        def combine():
-            out = torch.empty(t, H, dtype=torch.bfloat16, device=dev)
-            _combine_kernel[(t, triton.cdiv(H, 1024))](
-                pairs, out, H, pairs.stride(0), out.stride(0), TOPK=K, BC=1024, PDL=False
-            )
-            return out
 
-        fns = dict(
-            separate=lambda: linear(silu_mul(gu), w, combine()),
-            topk_only=lambda: linear(silu_mul(gu), w, pairs, add_topk=K),
-            gated_only=lambda: linear(gu, w, combine(), gated=True),
-            both=lambda: linear(gu, w, pairs, add_topk=K, gated=True),
+def time_tokens(t: int, w: torch.Tensor) -> dict[str, float]:
+    dev = w.device
+    gu = torch.randn(t, 2 * INTER, device=dev).bfloat16()  # the gate/up matmul's output
+    pairs = torch.randn(t * TOPK, HIDDEN, device=dev) * 0.1  # the experts' weighted outputs
+
+    def combine() -> torch.Tensor:
+        out = torch.empty(t, HIDDEN, dtype=torch.bfloat16, device=dev)
+        _combine_kernel[(t, triton.cdiv(HIDDEN, 1024))](
+            pairs, out, HIDDEN, pairs.stride(0), out.stride(0), TOPK=TOPK, BC=1024, PDL=False
         )
-        ref = fns["separate"]()
-        row = {}
-        for name, fn in fns.items():
-            assert torch.equal(fn(), ref), name
-            row[name] = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
-        res[t] = row
-        print(t, {k: round(v, 1) for k, v in row.items()}, flush=True)
-json.dump(res, open(args.out, "w"), indent=1)
+        return out
+
+    fns = {
+        "separate": lambda: linear(silu_mul(gu), w, combine()),
+        "topk_epilogue": lambda: linear(silu_mul(gu), w, pairs, add_topk=TOPK),
+    }
+    ref = fns["separate"]()
+    row = {}
+    for name, fn in fns.items():
+        assert torch.equal(fn(), ref), name
+        row[name] = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,4,10,16,17,32,64,170", help="comma-separated T")
+    ap.add_argument("--out", required=True, help="JSON output path")
+    args = ap.parse_args()
+    w = (torch.randn(HIDDEN, INTER, device="cuda") / INTER**0.5).bfloat16()
+    res = {}
+    with backend.kernel_mode(KernelConfig(batch_invariant=True)):
+        for t in (int(x) for x in args.tokens.split(",")):
+            res[t] = time_tokens(t, w)
+            print(t, {k: round(v, 1) for k, v in res[t].items()}, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,8 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   `moe_align.align_by_expert_triton` (its torch version past 8192 pairs; none for one token),
   fixed-order sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from
   then on. `moe_pairs`: v3 without its top-k combine, which the shared expert's down matmul
-  then does in its epilogue (`linear(..., add_topk=k)`)
+  then does in its epilogue (`linear(..., add_topk=k)`), up to `moe_triton.PAIRS_MAX_TOKENS`
+  tokens.
   Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
   from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).
 CUDA sm_90+: every Triton / Gluon kernel of those paths launches with programmatic dependent
@@ -230,21 +231,18 @@ def _invariant_for(op: str, x: torch.Tensor):
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0,
-    gated: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0
+) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics), then + `add` when given (one
     launch on the batch-invariant path, the same bits as the torch ops it stands for).
     add_topk = k > 0: `add` is [M * k, N] fp32, k rows per output row summed in slot order and
-    rounded (the MoE's top-k combine) before the add. `gated`: x is [..., 2K] (gate | up) and
-    the product is of `silu_mul(x)`."""
-    from ddserve.kernels.fused_ref import silu_mul_ref
+    rounded (the MoE's top-k combine) before the add."""
     from ddserve.kernels.invariant_ref import linear_ref
 
     kernels = _invariant_for("linear", x)
     if kernels:
-        return kernels.linear(x, w, add, add_topk=add_topk, gated=gated)
-    y = linear_ref(silu_mul_ref(x) if gated else x, w)
+        return kernels.linear(x, w, add, add_topk=add_topk)
+    y = linear_ref(x, w)
     if add is not None and add_topk:
         add = combine_ref(add, add_topk, y.dtype).view(y.shape)
     return y if add is None else y + add

@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ddserve.kernels import pdl
 from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
@@ -72,18 +71,6 @@ def _epilogue(acc, r_ptr, offs, rm, rn, ok, srm, dtype: tl.constexpr, ADD: tl.co
     return y
 
 
-@triton.jit
-def _silu_mul_tile(g, u, INTERPRET: tl.constexpr):
-    """round(round(silu(g)) * u) in g's dtype, as `fused._silu_mul_kernel` computes it."""
-    gf = g.to(tl.float32)
-    if INTERPRET:  # the interpreter has no libdevice
-        e = tl.exp(-gf)
-    else:
-        e = libdevice.exp(-gf)  # expf, as torch's CUDA silu
-    act = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
-    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     x_ptr, w_ptr, y_ptr, r_ptr, part_ptr, ticket_ptr, M, N, K: tl.constexpr,
@@ -91,7 +78,7 @@ def _mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, REDUCE: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-    PDL: tl.constexpr, ADD: tl.constexpr, TOPK: tl.constexpr, srm, GATED: tl.constexpr,
+    PDL: tl.constexpr, ADD: tl.constexpr, TOPK: tl.constexpr, srm,
 ):  # fmt: skip
     """y[m, h, n] = sum over k of x[m, h, k] * w[h, k, n]; program (m tile, n tile, head * SPLIT +
     s) accumulates split s's K range in fp32. SPLIT = 1: rounds to y's dtype and stores y.
@@ -101,10 +88,8 @@ def _mm_kernel(
     without REDUCE, `_sum_splits_kernel` does the same sum in a second launch.
     ADD: y = round(round(result) + r), r laid out as y (torch's `linear(x, w) + r`; not with a
     second-launch sum), or with TOPK > 0 the fixed-order sum of each row's TOPK rows of r
-    (`_epilogue`). GATED: x holds [gate | up] along its last dim (gate at k, up at K + k) and
-    the matmul's input is silu(gate) * up, computed per tile exactly as `fused.silu_mul`
-    (torch's `linear(silu_mul(x), w)` without the intermediate). K is a constexpr (fixed per
-    weight; a runtime loop bound does not run in the interpreter).
+    (`_epilogue`). K is a constexpr (fixed per weight; a runtime loop bound does not run in the
+    interpreter).
     PF_LINES > 0 (PDL launches of weights contiguous along K): before waiting for the previous
     kernel, the program asks L2 for the first PF_LINES 128-byte lines (PF_STEP elements each)
     of each of its weight columns' K range."""
@@ -125,11 +110,7 @@ def _mm_kernel(
     for i in range(0, K_PER, BLOCK_K):
         kk = s * K_PER + i + rk  # [BK]
         k_ok = kk < K
-        a_ok = m_ok[:, None] & k_ok[None, :]
-        a = tl.load(x_rows + kk[None, :] * sxk, mask=a_ok, other=0.0)
-        if GATED:  # silu(0) * 0 = 0 where masked
-            u = tl.load(x_rows + (K + kk)[None, :] * sxk, mask=a_ok, other=0.0)
-            a = _silu_mul_tile(a, u, INTERPRET)
+        a = tl.load(x_rows + kk[None, :] * sxk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + kk[:, None] * swk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP32:  # the configuration's precision ("tf32x3": 3 tf32 MMAs, ~fp32), fixed per weight
             acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BM, BN]
@@ -246,18 +227,17 @@ def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 def _launch(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int,
     cfg: MMConfig | None = None, two_launch: bool = False, add: torch.Tensor | None = None,
-    add_topk: int = 0, gated: bool = False,
+    add_topk: int = 0,
 ) -> None:  # fmt: skip
     """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws,
     plus `add` (contiguous: y's shape, or [M * add_topk, N] fp32 pairs summed per row) when
-    given; `gated`: x is [M, 2K] (gate | up) and the input is silu(gate) * up. `cfg` (default:
-    `mm_config`'s) and `two_launch` (the split-K sum as `_sum_splits_kernel`) are for benchmarks
-    and tests; both ways give the same bits."""
+    given. `cfg` (default: `mm_config`'s) and `two_launch` (the split-K sum as
+    `_sum_splits_kernel`) are for benchmarks and tests; both ways give the same bits."""
     assert add is None or not two_launch, "the residual add is the in-kernel sum's epilogue"
     x, xs = _canonical(x)
     if x.dim() == 2:
         xs = [xs[0], 0, xs[1]]
-    m, k, n = x.shape[0], x.shape[-1] // (2 if gated else 1), y.shape[-1]
+    m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
     cfg = cfg or mm_config(n, k, x.dtype, heads)
     bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -279,7 +259,7 @@ def _launch(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, K_PER=k_per,
         FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
         REDUCE=not two_launch, PF_LINES=pf_lines, PF_STEP=pf_step, ADD=add is not None,
-        TOPK=add_topk, srm=0 if add is None else add.stride(0), GATED=gated,
+        TOPK=add_topk, srm=0 if add is None else add.stride(0),
         num_warps=cfg.warps, num_stages=cfg.stages, **launch,
     )  # fmt: skip
     if split > 1 and two_launch:
@@ -297,9 +277,8 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0,
-    gated: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0
+) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] in x.dtype, each row independent of the row count.
 
     `add` (one launch, the same bits as the torch ops it replaces):
@@ -307,15 +286,12 @@ def linear(
       torch's `linear(x, w) + add`;
     - add_topk = k > 0: `add` [M * k, N] fp32 holds k rows per output row (the MoE's weighted
       expert outputs, pair m * k + j for slot j); their sum in slot order, rounded to x.dtype,
-      is added: `linear(x, w) + combine(add)` with the MoE's top-k combine.
-    `gated`: x is [..., 2K], gate then up, and the product is of silu(gate) * up (rounded as
-    `fused.silu_mul` rounds it): `linear(silu_mul(x), w)` in one launch."""
+      is added: `linear(x, w) + combine(add)` with the MoE's top-k combine."""
     _check(x, w)
     n, k = w.shape
-    if x.shape[-1] != (2 * k if gated else k):
-        want = f"2 x {k} (gate | up)" if gated else str(k)
-        raise ValueError(f"x has {x.shape[-1]} features, the weight needs {want}")
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K] or [M, 2K]
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if add is not None:
@@ -325,7 +301,7 @@ def linear(
     if m:
         # w[n, k] seen as [1, K, N]: stride along k is w.stride(1), along n w.stride(0)
         ws = (0, w.stride(1), w.stride(0))
-        _launch(x2, w, y, ws, 1, add=add, add_topk=add_topk, gated=gated)
+        _launch(x2, w, y, ws, 1, add=add, add_topk=add_topk)
     return y.view(*x.shape[:-1], n)
 
 

@@ -21,7 +21,6 @@ from ddserve.kernels import backend
 from ddserve.kernels.moe_common import may_fall_back
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v2 import fused_moe_v2
-from ddserve.kernels.moe_v3 import CHUNK as MOE_V3_CHUNK
 from ddserve.kernels.moe_v3 import fused_moe_v3
 from ddserve.kernels.moe_w4_repack import in_place_started
 
@@ -30,6 +29,12 @@ __all__ = ["VARIANTS", "default_variant", "fused_moe", "fused_moe_pairs"]
 log = logging.getLogger(__name__)
 VARIANTS = {"v2": fused_moe_v2, "v3": fused_moe_v3}
 V3_ERROR: str | None = None  # set when v3 failed to compile or launch (then v2 from then on)
+# Tokens up to which the MoE's top-k combine runs in the shared expert's down matmul
+# (`fused_moe_pairs`) instead of its own launch. The shared down matmul plus the combine, K2.6
+# rank shapes on an H200 (bench/bench_shared_epilogue.py, graph replays, us): separate 5.9 /
+# 6.4 / 16.1, combine in the matmul's epilogue 4.8 / 5.0 / 18.4 at 1 / 10 / 170 tokens. The
+# bits are the same either way, so the choice may depend on T.
+PAIRS_MAX_TOKENS = 16
 
 
 def default_variant(x: torch.Tensor, weights: ExpertWeights) -> str:
@@ -94,12 +99,11 @@ def fused_moe_pairs(
 ) -> torch.Tensor | None:
     """v3 without its combine launch ([T * k, H] fp32 weighted pair outputs, `fused_moe_v3(...,
     combine=False)`) when these experts are the model's own, already repacked in place for v3
-    (from the first forward on), no other variant is asked for and T fits one launch set (the
-    pairs are the buffer v3 fills anyway; larger calls, prompt chunks, keep their combine);
-    else None."""
+    (from the first forward on), no other variant is asked for and T <= PAIRS_MAX_TOKENS; else
+    None (the caller runs v3 with its combine)."""
     if backend.current().moe_variant not in (None, "v3") or not weights.is_int4:
         return None
-    if x.shape[0] > MOE_V3_CHUNK:
+    if x.shape[0] > PAIRS_MAX_TOKENS:
         return None
     if not (x.is_cuda and in_place_started(weights.w13_packed)):
         return None

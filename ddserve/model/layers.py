@@ -110,16 +110,14 @@ class RowParallelLinear(Linear):
         self.comm, self.reduce = comm, reduce
 
     def forward(
-        self, x: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0,
-        gated: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+        self, x: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0
+    ) -> torch.Tensor:
         """This rank's x @ W^T, all-reduced when `reduce`; without it, plus `add` (a partial
         of the same sum, e.g. the MoE's routed experts, as `backend.linear` takes it with
-        `add_topk`) in the matmul's launch. `gated`: x is [..., 2K] (gate | up) and the input
-        is silu(gate) * up (`backend.linear`)."""
+        `add_topk`) in the matmul's launch."""
         if add is not None and self.reduce:
             raise ValueError("add is a partial of the un-reduced sum: only with reduce=False")
-        y = backend.linear(x, self.weight, add, add_topk=add_topk, gated=gated)
+        y = backend.linear(x, self.weight, add, add_topk=add_topk)
         return reduce_partials(self.comm, y) if self.reduce else y
 
 

@@ -68,11 +68,9 @@ class DenseMLP(nn.Module):
             merged = self.gate_up_weight()
         if merged is None:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
-            return self.down_proj(h, add=add, add_topk=add_topk)
-        gu = backend.linear(x, merged)  # [T, 2 I_local]: one matmul for gate and up
-        if x.dtype in (torch.bfloat16, torch.float16):  # silu(gate) * up inside the down matmul
-            return self.down_proj(gu, add=add, add_topk=add_topk, gated=True)
-        return self.down_proj(backend.silu_mul(gu), add=add, add_topk=add_topk)
+        else:  # one matmul, then silu(gate) * up in one launch (bitwise the torch ops)
+            h = backend.silu_mul(backend.linear(x, merged))  # [T, 2 I_local] -> [T, I_local]
+        return self.down_proj(h, add=add, add_topk=add_topk)
 
 
 class Router(nn.Module):

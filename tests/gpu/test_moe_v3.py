@@ -116,16 +116,17 @@ def test_v3_rejects_unknown_config_keys():
 
 def test_moe_layer_folds_the_combine_into_the_shared_down_matmul():
     """`MoE.forward` on CUDA in batch-invariant mode: the first call runs v3 with its combine
-    launch (and repacks the experts in place); later calls take the pair outputs
-    (`backend.moe_pairs`) and sum them in the shared expert's down matmul, which also computes
-    the shared silu(gate) * up in its tiles. Both give the same bits as the separate launches,
-    at 1, 17 and 170 tokens (K2.6 rank shapes at tp = 8, random weights)."""
+    launch (and repacks the experts in place); later calls of up to PAIRS_MAX_TOKENS tokens
+    take the pair outputs (`backend.moe_pairs`) and sum them in the shared expert's down
+    matmul. Either way the bits are those of the separate launches, at 1, 10, 17 and 170
+    tokens (K2.6 rank shapes at tp = 8, random weights)."""
     from ddserve.config import ModelConfig
     from ddserve.distributed import LocalComm
     from ddserve.kernels import backend
     from ddserve.kernels.config import KernelConfig
     from ddserve.kernels.fused import silu_mul
     from ddserve.kernels.invariant import linear
+    from ddserve.kernels.moe_triton import PAIRS_MAX_TOKENS
     from ddserve.model.moe import MoE
 
     quant = dict(quant_method="compressed-tensors", format="pack-quantized", config_groups=dict(
@@ -151,12 +152,13 @@ def test_moe_layer_folds_the_combine_into_the_shared_down_matmul():
         layer.gate.e_score_correction_bias.zero_()
     host = torch.Generator().manual_seed(23)
     with backend.kernel_mode(KernelConfig(batch_invariant=True)):
-        for t in (1, 17, 170):
+        for t in (1, 10, 17, 170):
             x = torch.randn(t, 7168, generator=host).to(torch.bfloat16).cuda()
             ids, tw = layer.gate(x)
             experts = layer.experts.weights()
             combined = backend.moe("cuda")(x, ids, tw, experts)  # (the first call repacks)
-            assert backend.moe_pairs(x, ids, tw, experts) is not None
+            pairs = backend.moe_pairs(x, ids, tw, experts)
+            assert (pairs is not None) == (t <= PAIRS_MAX_TOKENS), t
             mlp = layer.shared_experts
             gu = linear(x, mlp.gate_up_weight())
             want = linear(silu_mul(gu), mlp.down_proj.weight, combined)

@@ -137,22 +137,6 @@ def check_topk_add_is_linear_plus_moe_combine(inv, dtype, split: int) -> None:
     assert torch.equal(fused, interp_round(inv.linear(x, w).float() + combined.float(), dtype))
 
 
-def check_gated_is_linear_of_silu_mul(inv, dtype, split: int) -> None:
-    """linear(gu, w, gated=True) == linear(fused.silu_mul(gu), w) bit for bit (the fused
-    kernel's silu in the matmul's tiles), also with an add; K not a multiple of the tile."""
-    from ddserve.kernels import fused
-
-    m, n, k = 7, 45, 333
-    gu, w = wide(m, 2 * k, dtype=dtype, seed=26), wide(n, k, dtype=dtype, seed=27)
-    h = fused.silu_mul(gu)  # [M, K]
-    ref, cfg, _ = run(inv, h, w, 1, split, two_launch=False)
-    y = torch.empty(m, n, dtype=dtype)
-    inv._launch(gu, w, y, (0, w.stride(1), w.stride(0)), 1, cfg._replace(split=split), gated=True)
-    assert torch.equal(y, ref)
-    add = wide(m, n, dtype=dtype, seed=28)
-    assert torch.equal(inv.linear(gu, w, add, gated=True), inv.linear(h, w, add))
-
-
 def check_default_configs_split_and_match(inv) -> None:
     """The default configuration splits a narrow long-K weight; fused == two-launch there too."""
     x, w = (
@@ -194,8 +178,6 @@ CASES = (
        for d in DTYPES for s in (1, 3)]
     + [(f"topk_add_epilogue[{d},split={s}]", check_topk_add_is_linear_plus_moe_combine, (d, s))
        for d in DTYPES for s in (1, 3)]
-    + [(f"gated[{d},split={s}]", check_gated_is_linear_of_silu_mul, (d, s))
-       for d in (torch.bfloat16, torch.float16) for s in (1, 3)]
     + [("default_configs_split", check_default_configs_split_and_match, ())]
     + [("scratch_grows_keeps_old", check_scratch_grows_and_keeps_old_buffers, ())]
 )  # fmt: skip
@@ -237,7 +219,7 @@ def test_linear_add_must_match_the_output() -> None:
             invariant.linear(x, w, add=bad)
 
 
-def test_linear_topk_add_and_gated_inputs_are_checked() -> None:
+def test_linear_topk_add_is_checked() -> None:
     require_triton()
     from ddserve.kernels import invariant
 
@@ -248,8 +230,6 @@ def test_linear_topk_add_and_gated_inputs_are_checked() -> None:
         invariant.linear(x, w, add=torch.zeros(6, 5, dtype=torch.float64), add_topk=2)
     with pytest.raises(ValueError, match="add_topk needs add"):
         invariant.linear(x, w, add_topk=2)
-    with pytest.raises(ValueError, match="gate | up"):
-        invariant.linear(x, w, gated=True)  # 8 features, the gated weight needs 16
 
 
 def test_row_parallel_linear_adds_only_to_an_unreduced_partial() -> None:
