@@ -36,7 +36,6 @@ from ddserve.kernels.tree_attn import TreeAttnMeta, tree_mla_attention_ref  # no
 from ddserve.kernels.tree_attn_invariant import (  # noqa: E402
     _tree_attn_inv_kernel,
     device_config,
-    tree_mla_attention_invariant,
 )
 from ddserve.kernels.tree_attn_triton import tree_mla_attention  # noqa: E402
 
@@ -151,13 +150,6 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=
         row["inv_ms"] = time_ms(lambda: triton_path(invariant=True))
         row["inv_over_default"] = row["inv_ms"] / row["ms"]
         row["inv_err_vs_ref32"] = rel_err(out_inv.view(nb, ql, h, r), ref32)
-        # the split merge as a second launch (`two_launch`), against the one-launch default
-        two = lambda: tree_mla_attention_invariant(  # noqa: E731
-            q_lat, q_pe, kv, meta, SCALE, two_launch=True
-        )
-        row["inv_two_launch_equal"] = bool(torch.equal(two(), out_inv))
-        row["inv_two_launch_ms"] = time_ms(two)
-        row["inv_one_over_two_launch"] = row["inv_ms"] / row["inv_two_launch_ms"]
     except Exception as exc:  # noqa: BLE001 - report and go on with the other measurements
         row["inv_error"] = f"{exc!r}"[:300]
         row["inv_ms"] = row["inv_over_default"] = row["inv_err_vs_ref32"] = float("nan")
@@ -181,7 +173,9 @@ def run_case(nb, budget, pl, h, r, p, bw, peak, sweep, dev, splits=(), pad_pow2=
             ms = time_ms(lambda cfg=cfg: triton_path(cfg, True), rep=50)
             err = rel_err(o.view(nb, ql, h, r), ref32)
             per_kernel = kernel_us(lambda cfg=cfg: triton_path(cfg, True)) if o.is_cuda else {}
-            row["inv_splits"].append(dict(config=cfg, ms=ms, err_vs_ref32=err, kernel_us=per_kernel))
+            row["inv_splits"].append(
+                dict(config=cfg, ms=ms, err_vs_ref32=err, kernel_us=per_kernel)
+            )
     if sweep:
         for key, variants, inv in (
             ("variants", VARIANTS, False),

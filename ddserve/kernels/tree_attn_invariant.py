@@ -7,40 +7,26 @@ one configuration per device (`device_config`) serves every call, except the hei
 tiles (BM), which small calls lower (`SMALL_BM`): no step of a row depends on it (scores and
 values are MMAs over keys, the softmax denominator too (`_row_sum`), the rest is per row). So a
 row's arithmetic depends on nothing but its query and its ordered keys: a verify row equals the
-AR decode row of the same token bit for bit, whatever else is batched.
-
-One launch, program (row tile, split). When the host shapes fit one split (P_max + Q_max <= SPLIT)
-the program writes the output itself, which is bitwise what the merge of one split gives (o * 1 +
-0, then o / 1). Otherwise the live splits of a row tile (those holding keys of its block, s * SPLIT
-< plen + qlen: nlive of them) each store an fp32 partial and log-sum-exp per row, then take an
-int32 ticket for the row tile (CTA barrier, then `tl.atomic_add`, acq_rel); the program that draws
-ticket nlive - 1 reads the nlive partials back through L2 and merges them in split order
-0..nlive-1, not arrival order, so the bits do not depend on scheduling; it writes the rows and
-resets the ticket to 0 (`_merge_if_last`). The other splits of the grid (nsplit comes from the host
-shapes) return after reading the block's lengths, with no store and no ticket, and leaving them out
-of the merge changes no bit (`_merge_splits`). Every program of a row tile computes nlive from the
-same two lengths, so the count is exactly the programs that take a ticket, whatever the prefix
-lengths and whatever order the programs run in; no program waits for another. Tickets live in a
-per-device scratch (`_Tickets`) shared by the calls of one stream: see it for the CUDA-graph and
-multi-stream contract. One more grid column writes 0 to the rows in no block. `two_launch=True`
-(tests and benchmarks) merges every split of every row in a second launch (`_combine_kernel`)
-instead: the same bits.
+AR decode row of the same token bit for bit, whatever else is batched. Splits are merged in
+split order by `_combine_kernel`; when the host shapes fit one split (P_max + Q_max <= SPLIT)
+the kernel writes the output itself, which is bitwise what the merge of one split gives (o * 1 +
+0, then o / 1).
 
 Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
-fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every BM=64
-tile spills (>= 2 KB). SPLIT trades parallelism at small batches (short splits: more programs,
-fewer serial key tiles each) against partial-output traffic at large ones ([BM, R] fp32 per program
-and live split, written and read back by the merge). A split's key tiles run one after another
-(~3-4 us each on an H200), so at one stream SPLIT sets the latency, while at ten streams verifying
-17-row trees the partials dominate. Timed on an H200 with engine-shaped prefix tables
-(`bench_tree_attn.py --splits`, BENCHMARKS.md; the merge as a second launch, as `two_launch=True`
-runs it), SPLIT=256 against 512: decode at 1 stream and a 1k prefix 43 vs 71 us, 1 stream verifying
-17 rows 43 vs 72 us, 10 streams decoding 44 vs 73 us, 10 streams verifying 17 rows each 80 vs 76 us
-(8k prefixes: 48 vs 75, 82 vs 76, 122 vs 142, 466 vs 440 us). SPLIT=128 is faster still at one
-stream (29-32 us) and 25% slower at ten. 64-key tiles in 3 stages (`LARGE_SMEM_CONFIG`, where the
-shared memory allows) take fewer serial steps per split: the same cases, 256-key splits, 32-key
-tiles in 2 stages -> 64-key tiles in 3 (bench/results/step/tree_attn_tiles_h200_2026-12-01.json):
-43 -> 32, 44 -> 45, 44 -> 34, 80 -> 73 us (8k: 48 -> 38, 81 -> 74, 120 -> 93, 463 -> 363 us).
+fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every
+BM=64 tile spills (>= 2 KB). SPLIT trades parallelism at small batches (short splits: more
+programs, fewer serial key tiles each) against partial-output traffic at large ones ([BM, R]
+fp32 per program and split, merged by a second launch). A split's key tiles run one after
+another (~3-4 us each on an H200), so at one stream SPLIT sets the latency, while at ten streams
+verifying 17-row trees the partials dominate. Timed on an H200 with engine-shaped prefix tables
+(`bench_tree_attn.py --splits`, BENCHMARKS.md), SPLIT=256 against 512: decode at 1 stream and a
+1k prefix 43 vs 71 us, 1 stream verifying 17 rows 43 vs 72 us, 10 streams decoding 44 vs 73 us,
+10 streams verifying 17 rows each 80 vs 76 us (8k prefixes: 48 vs 75, 82 vs 76, 122 vs 142,
+466 vs 440 us). SPLIT=128 is faster still at one stream (29-32 us) and 25% slower at ten.
+64-key tiles in 3 stages (`LARGE_SMEM_CONFIG`, where the shared memory allows) take fewer serial
+steps per split: the same cases, 256-key splits, 32-key tiles in 2 stages -> 64-key tiles in 3
+(bench/results/step/tree_attn_tiles_h200_2026-12-01.json): 43 -> 32, 44 -> 45, 44 -> 34,
+80 -> 73 us (8k: 48 -> 38, 81 -> 74, 120 -> 93, 463 -> 363 us).
 """
 
 from __future__ import annotations
@@ -133,88 +119,6 @@ def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, ns
 
 
 @triton.jit
-def _merge_splits(out_ptr, po_ptr, plse_ptr, o_rows, prow, row_ok, nlive, R: tl.constexpr,
-                  RC: tl.constexpr, BS: tl.constexpr = 64):  # fmt: skip
-    """Output rows o_rows [BM] (pointers) of rows whose partials start at prow [BM], merged from
-    their first nlive splits with `_combine_kernel`'s arithmetic, row by row: m = the max of the
-    lses, then acc and the denominator summed in split order with weights exp2(lse - m); an
-    empty split (lse = -inf) weighs 0 and loads nothing. The splits past nlive, which
-    `_combine_kernel` visits too, are empty: they add +0.0 to acc and den (neither is ever -0.0:
-    both start at +0.0) and -inf to the max, so leaving them out changes no bit. In passes of RC
-    columns, each recomputing the same weights: with whole [BM, R] rows the unrolled loads spill
-    (ptxas sm_90, R = 512, BM = 32: ~2 KB more than the two-launch kernel; 64-column passes: as
-    many as it). Loads skip L1 (.cg): other SMs wrote them."""
-    # the max of each row's lses: elementwise over BS-wide chunks, reduced after the loop (a
-    # reduction inside the loop trips an assertion of Triton 3.6's thread-locality pass on
-    # sm_90; a max is exact in any order)
-    mc = tl.full([prow.shape[0], BS], float("-inf"), dtype=tl.float32)  # [BM, BS]
-    for s0 in range(0, nlive, BS):
-        ss = s0 + tl.arange(0, BS)  # [BS]
-        ok = row_ok[:, None] & (ss < nlive)[None, :]
-        lses = tl.load(plse_ptr + prow[:, None] + ss[None, :], mask=ok, other=float("-inf"),
-                       cache_modifier=".cg")  # fmt: skip
-        mc = tl.maximum(mc, lses)
-    m = tl.max(mc, 1)  # [BM]
-    m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
-    for c0 in tl.static_range(0, R, RC):
-        dc = c0 + tl.arange(0, RC)  # [RC] this pass's columns
-        den = tl.zeros([prow.shape[0]], dtype=tl.float32)
-        acc = tl.zeros([prow.shape[0], RC], dtype=tl.float32)
-        for s in tl.range(0, nlive, loop_unroll_factor=4):  # unrolled: loads run ahead
-            lse = tl.load(plse_ptr + prow + s, mask=row_ok, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            live = lse > float("-inf")
-            o = tl.load(po_ptr + (prow + s)[:, None] * R + dc[None, :], mask=live[:, None],
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-            w = tl.where(live, tl.exp2(lse - m), 0.0)
-            acc += o * w[:, None]
-            den += w
-        res = acc / tl.maximum(den, 1.0e-30)[:, None]
-        tl.store(o_rows[:, None] + dc[None, :], res.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])  # fmt: skip
-
-
-@triton.jit
-def _merge_if_last(out_ptr, po_ptr, plse_ptr, ticket, t, head, row_ok, nlive, nsplit,
-                   stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
-    """After a live split's partial and lse are stored: take the row tile's ticket (one of
-    nlive); the program that draws the last merges the tile's rows in split order
-    (`_merge_splits`) and resets the ticket to 0 for the next launch or graph replay. Nothing
-    waits: the last to arrive merges, whichever split it is."""
-    tl.debug_barrier()  # every thread's partial and lse stored before the ticket is taken
-    arrived = tl.atomic_add(ticket, 1, sem="acq_rel")  # live splits of the tile before this one
-    if arrived == nlive - 1:  # the others' stores happen before their tickets: visible now
-        prow = (t.to(tl.int64) * H + head) * nsplit  # [BM] each row's first partial
-        o_rows = out_ptr + t * stride_ot + head * stride_oh  # [BM]
-        _merge_splits(out_ptr, po_ptr, plse_ptr, o_rows, prow, row_ok, nlive, R,
-                      R if R < 64 else 64)  # fmt: skip
-        tl.store(ticket, 0)
-
-
-@triton.jit
-def _zero_outside(
-    out_ptr, q_starts_ptr, q_lens_ptr, nblocks, nrows, stride_ot, stride_oh,
-    H: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr = 64,
-):  # fmt: skip
-    """0 in the rows of tokens t < nrows in no block (outside every [q0, q0 + qlen)): program p
-    of the G programs of the zero column takes the BM-row tiles p, p + G, ... of the T * H
-    rows. Every row inside a block is written by its row tile's programs."""
-    dr = tl.arange(0, R)
-    for r0 in range(tl.program_id(0) * BM, nrows * H, tl.num_programs(0) * BM):
-        r = r0 + tl.arange(0, BM)  # [BM] (token, head) rows
-        t = (r // H).to(tl.int64)
-        hits = tl.zeros([BM, BB], dtype=tl.int32)  # (summed after the loop, as in _merge_splits)
-        for b0 in range(0, nblocks, BB):  # the blocks, BB at a time
-            bb = b0 + tl.arange(0, BB)  # [BB]
-            q0 = tl.load(q_starts_ptr + bb, mask=bb < nblocks, other=0)
-            q1 = q0 + tl.load(q_lens_ptr + bb, mask=bb < nblocks, other=0)
-            hits += ((q0[None, :] <= t[:, None]) & (t[:, None] < q1[None, :])).to(tl.int32)
-        ok = (r < nrows * H) & (tl.sum(hits, 1) == 0)
-        o_ptrs = out_ptr + t[:, None] * stride_ot + (r % H)[:, None] * stride_oh + dr[None, :]
-        tl.store(o_ptrs, tl.zeros([BM, R], dtype=out_ptr.dtype.element_ty), mask=ok[:, None])
-
-
-@triton.jit
 def _tail_tiles(
     q, qp, m, l_sum, acc, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
     mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
@@ -258,23 +162,19 @@ def prefetch_prefix_keys(
     prefetch_l2(tl.where(ok[:, None] & (line < ROW_LINES)[None, :], addr, kv_ptr))
 
 
-@triton.jit(do_not_specialize=["tiles", "nsplit", "nrows", "stride_ps", "stride_mb", "stride_mq"])
+@triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
-    ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr, ticket_ptr,
+    ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
     q_starts_ptr, q_lens_ptr, pslots_ptr, plens_ptr, bslots_ptr, mask_ptr,
-    scale_log2, tiles, nsplit, nrows,
+    scale_log2, tiles, nsplit,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
-    LINE_STEP: tl.constexpr, REDUCE: tl.constexpr,
+    LINE_STEP: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows; the tail tiles are done once per token with that token's keys (same `_key_tile`).
-    REDUCE (grid (row tiles, nsplit + 1)): a row tile's live splits take tickets and the last
-    merges (`_merge_if_last`); column nsplit zeroes the rows in no block (`_zero_outside`, nrows
-    = T). Without REDUCE (grid (row tiles, nsplit)) every split writes its partial, an empty one
-    a -inf lse, for `_combine_kernel`; ticket_ptr and nrows are unused.
     ROW_LINES > 0 (PDL launches of verify calls): the first row tile's program of each split
     prefetches the split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
@@ -282,15 +182,10 @@ def _tree_attn_inv_kernel(
     b = pid // tiles
     tile = pid % tiles
     if ROW_LINES > 0:
-        if (tile == 0) & (split < nsplit):
+        if tile == 0:
             prefetch_prefix_keys(kv_ptr, pslots_ptr, plens_ptr, b, split * SPLIT, stride_ps,
                                  stride_kv, ROW_LINES, LINE_PAD, LINE_STEP, SPLIT)  # fmt: skip
     pdl_begin(PDL)
-    if REDUCE:
-        if split == nsplit:
-            _zero_outside(out_ptr, q_starts_ptr, q_lens_ptr, tl.num_programs(0) // tiles, nrows,
-                          stride_ot, stride_oh, H, R, BM)  # fmt: skip
-            return
     q0 = tl.load(q_starts_ptr + b)
     qlen = tl.load(q_lens_ptr + b)
     plen = tl.load(plens_ptr + b)
@@ -303,10 +198,9 @@ def _tree_attn_inv_kernel(
     row_ok = qrow < qlen
     t = q0 + qrow
     if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
-        if not REDUCE:  # the merge in the kernel reads live splits only
-            if nsplit > 1:
-                prow = (t.to(tl.int64) * H + head) * nsplit + split
-                tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
+        if nsplit > 1:
+            prow = (t.to(tl.int64) * H + head) * nsplit + split
+            tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
         return
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
@@ -347,11 +241,6 @@ def _tree_attn_inv_kernel(
     )  # fmt: skip
     _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
             stride_ot, stride_oh, H, R)  # fmt: skip
-    if REDUCE:
-        if nsplit > 1:
-            nlive = tl.minimum((plen + qlen + SPLIT - 1) // SPLIT, nsplit)  # s0 < plen + qlen
-            _merge_if_last(out_ptr, po_ptr, plse_ptr, ticket_ptr + pid, t, head, row_ok, nlive,
-                           nsplit, stride_ot, stride_oh, H, R)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "nblocks"])
@@ -434,37 +323,6 @@ def device_config(device: torch.device) -> dict:
     return LARGE_SMEM_CONFIG if smem >= LARGE_SMEM_BYTES else INVARIANT_CONFIG
 
 
-class _Tickets:
-    """One device's int32 tickets, one per row tile of a call, all 0 between launches (each
-    launch's last program of a row tile resets its own).
-
-    Captured CUDA graphs keep the address they were captured with, so a buffer is never freed
-    once handed out: growing (outside capture only) retires the old one into `retired`. Calls on
-    one stream are ordered, so graphs and eager calls may share the tickets; two attention calls
-    running concurrently on different streams of one device must not (their arrivals would
-    mix)."""
-
-    def __init__(self) -> None:
-        self.tickets: torch.Tensor | None = None
-        self.retired: list[torch.Tensor] = []
-
-    def take(self, n: int, device: torch.device) -> torch.Tensor:
-        """At least n zeros for one launch. During a capture that outgrows them, the graph gets
-        its own (zeroed by a captured memset before every replay). Sizes at least double."""
-        if self.tickets is not None and self.tickets.numel() >= n:
-            return self.tickets
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)
-        old = 0 if self.tickets is None else self.tickets.numel()
-        if self.tickets is not None:
-            self.retired.append(self.tickets)
-        self.tickets = torch.zeros(max(n, 2 * old, 1024), dtype=torch.int32, device=device)
-        return self.tickets
-
-
-_TICKETS: dict[torch.device, _Tickets] = {}
-
-
 def tree_mla_attention_invariant(
     q_latent: torch.Tensor,  # [T, H, R]
     q_rope: torch.Tensor,  # [T, H, P]
@@ -472,13 +330,11 @@ def tree_mla_attention_invariant(
     meta: TreeAttnMeta,
     softmax_scale: float,
     config: dict | None = None,
-    two_launch: bool = False,
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
     `config` overrides keys of the device's configuration (`device_config`; tests use small
     tiles); rows are only comparable between calls with the same BN, SPLIT, warps and stages.
-    Without a BM in `config`, `row_tile` picks it from the call's shapes. `two_launch` (tests
-    and benchmarks) merges the splits in a second launch (`_combine_kernel`): the same bits."""
+    Without a BM in `config`, `row_tile` picks it from the call's shapes."""
     t, h, r = q_latent.shape
     unknown = set(config or {}) - set(INVARIANT_CONFIG)
     if unknown:
@@ -490,17 +346,17 @@ def tree_mla_attention_invariant(
     if "BM" not in (config or {}):
         cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
     tiles = triton.cdiv(q_max * h, cfg["BM"])
-    if t == 0 or nblocks == 0:
-        return torch.zeros_like(q_latent)  # rows outside every block are 0, as in the reference
-    # One launch: the kernel writes every row (its zero column those in no block). Two: rows in
-    # no block are 0 from a fill (one split) or from `_combine_kernel`.
-    out = torch.zeros_like(q_latent) if two_launch and nsplit == 1 else torch.empty_like(q_latent)
-    po = plse = tickets = out  # unused placeholders
-    if nsplit > 1:  # partials [T, H, nsplit, (R)]: each live split writes its own
+    if nsplit == 1 or t == 0 or nblocks == 0:
+        out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
+        po = plse = out  # unused placeholders
+    else:
+        # the merge writes every row (0 in no block); every (row, split) of a block gets its
+        # partial's lse from its program (-inf for an empty split), so no fill launch
+        out = torch.empty_like(q_latent)
         po = torch.empty(t, h, nsplit, r, dtype=torch.float32, device=q_latent.device)
         plse = torch.empty(t, h, nsplit, dtype=torch.float32, device=out.device)
-    if not two_launch:
-        tickets = _TICKETS.setdefault(out.device, _Tickets()).take(nblocks * tiles, out.device)
+    if t == 0 or nblocks == 0:
+        return out
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
     launch = pdl.launch_options(q_latent.device)
@@ -515,18 +371,18 @@ def tree_mla_attention_invariant(
     aligned = kv_cache.data_ptr() % 128 == 0 and kv_cache.stride(0) * esize % 128 == 0
     if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128)
-    _tree_attn_inv_kernel[(nblocks * tiles, nsplit + (not two_launch))](
-        q_latent, q_rope, kv_cache, out, po, plse, tickets,
+    _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
+        q_latent, q_rope, kv_cache, out, po, plse,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
-        softmax_scale * math.log2(math.e), tiles, nsplit, t,
+        softmax_scale * math.log2(math.e), tiles, nsplit,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
-        REDUCE=not two_launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
-    if two_launch and nsplit > 1:
+    if nsplit > 1:
         _combine_kernel[(t * h,)](
             po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
             nsplit, H=h, R=r, **launch,

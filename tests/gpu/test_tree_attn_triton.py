@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _tree_inputs import ar_meta, random_meta, select_blocks
 
 from ddserve.kernels.tree_attn import causal_mask, tree_mla_attention_ref
@@ -183,96 +182,3 @@ def test_invariant_mode_accurate_across_tiles_and_splits():
         except AssertionError as e:
             failed.append(f"check {i}: {str(e)[:300]}")
     assert not failed, failed
-
-
-# ---- invariant mode: the in-kernel split merge == the two-launch merge, bit for bit -----------
-STREAMS = [1000, 8000, 0, 255, 256, 257, 511, 3000, 5, 12000]  # prefixes over 1 to 47 splits
-MERGE_CASES = {  # prefix lengths, tree lengths, prefix-table width (engine graphs pad it)
-    "decode-10-padded": (STREAMS, [1] * 10, 16384),  # 65 splits, most of them empty
-    "verify-10x17-padded": (STREAMS, [17] * 10, 16384),  # 32-row tiles
-    "one-tree": ([2047], [129], None),
-    "mixed": ([0, 1500, 5, 9000, 0], [17, 129, 1, 65, 33], None),
-    "one-split": ([40, 3], [17, 1], None),  # no merge at all
-}
-
-
-def _merge_inputs(case, tail=5, dtype=torch.bfloat16):
-    """(q, qp, kv, meta) on CUDA with `tail` rows in no block after the last block, the prefix
-    table padded to the case's width."""
-    pls, qls, width = MERGE_CASES[case]
-    q, qp, kv, meta = inputs(pls, qls, seed=len(pls) + sum(qls))
-    if width:
-        pad = width - meta.prefix_slots.shape[1]
-        meta = type(meta)(**{**meta.__dict__, "prefix_slots": F.pad(meta.prefix_slots, (0, pad))})
-    gen = torch.Generator().manual_seed(tail)
-    extra = [torch.randn(tail, *x.shape[1:], generator=gen).to(x.dtype).cuda() for x in (q, qp)]
-    q, qp = torch.cat([q, extra[0]]), torch.cat([qp, extra[1]])  # [T + tail, H, R | P]
-    return q.to(dtype), qp.to(dtype), kv.to(dtype), meta.to("cuda")
-
-
-def _tickets_zero() -> bool:
-    from ddserve.kernels.tree_attn_invariant import _TICKETS
-
-    return all(not t.tickets.any() for t in _TICKETS.values() if t.tickets is not None)
-
-
-@pytest.mark.parametrize("case", MERGE_CASES)
-def test_one_launch_merge_equals_two_launch(case):
-    """Every row, rows in no block (0) included; every ticket back to 0."""
-    from ddserve.kernels.tree_attn_invariant import tree_mla_attention_invariant as attn
-
-    q, qp, kv, meta = _merge_inputs(case)
-    one = attn(q, qp, kv, meta, SCALE)
-    two = attn(q, qp, kv, meta, SCALE, two_launch=True)
-    rep = _diff_report(one, two)
-    assert rep["bad_rows"] == 0, rep
-    assert (one[-5:] == 0).all() and torch.isfinite(one).all()
-    assert _tickets_zero()
-
-
-def test_one_launch_merge_equals_two_launch_in_float32():
-    """fp32 outputs show every bit of the fp32 merge (bf16 rounding hides most last-bit
-    differences). Small tiles, one stage: fp32 keys take twice the shared memory."""
-    from ddserve.kernels.tree_attn_invariant import tree_mla_attention_invariant as attn
-
-    q, qp, kv, meta = _merge_inputs("mixed", dtype=torch.float32)
-    cfg = dict(BM=16, BN=32, num_stages=1)
-    one = attn(q, qp, kv, meta, SCALE, cfg)
-    rep = _diff_report(one, attn(q, qp, kv, meta, SCALE, cfg, two_launch=True))
-    assert rep["bad_rows"] == 0, rep
-
-
-def test_one_launch_merge_is_the_same_in_every_launch():
-    """Which split draws a row tile's last ticket changes from launch to launch: 200 launches of
-    a 65-split decode call, one set of bits, no ticket left behind."""
-    from ddserve.kernels.tree_attn_invariant import tree_mla_attention_invariant as attn
-
-    q, qp, kv, meta = _merge_inputs("decode-10-padded")
-    want = attn(q, qp, kv, meta, SCALE, two_launch=True)
-    outs = torch.stack([attn(q, qp, kv, meta, SCALE) for _ in range(200)])  # [200, T, H, R]
-    bad = (outs != want).flatten(2).any(-1).any(-1)  # [200] launches that differ
-    assert not bad.any(), f"{int(bad.sum())} of 200 launches differ"
-    assert _tickets_zero()
-
-
-@pytest.mark.parametrize("fresh_tickets", [False, True], ids=["shared", "captured"])
-def test_one_launch_merge_in_cuda_graph_replays(monkeypatch, fresh_tickets):
-    """Replays reuse the tickets (shared: the scratch eager calls use; captured: a capture that
-    outgrows the scratch gets its own, zeroed by a captured memset): each replay of new queries
-    gives the eager two-launch bits."""
-    from ddserve.kernels import tree_attn_invariant as ta
-
-    q, qp, kv, meta = _merge_inputs("mixed")
-    ta.tree_mla_attention_invariant(q, qp, kv, meta, SCALE)  # compiled outside the capture
-    if fresh_tickets:
-        monkeypatch.setattr(ta, "_TICKETS", {})
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ta.tree_mla_attention_invariant(q, qp, kv, meta, SCALE)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
-        graph.replay()
-        want = ta.tree_mla_attention_invariant(q, qp, kv, meta, SCALE, two_launch=True)
-        assert torch.equal(out, want)
-        assert _tickets_zero()
