@@ -138,17 +138,22 @@ def tree_attention(device_type: str) -> Callable:
     return impl
 
 
-def moe_pairs(x: torch.Tensor, topk_ids, topk_weights, weights) -> torch.Tensor | None:
+def moe_pairs(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights
+) -> torch.Tensor | None:
     """The routed experts without their top-k combine: [T * k, D] fp32, pair t * k + j the
     output of token t's slot-j expert times its weight, for a caller that folds the combine into
     a later launch (`linear(..., add_topk=k)`). Only where the Gluon MoE (v3) runs these experts
-    (CUDA, batch-invariant mode, experts already repacked for it by an earlier call); None
-    elsewhere, and the caller uses `moe`."""
-    if not (_current.batch_invariant and x.device.type == "cuda"):
+    and the fold pays (`moe_triton.fused_moe_pairs`: CUDA, batch-invariant mode, 16-bit x, no
+    other MoE variant asked for, experts already repacked in place for v3 by an earlier call, at
+    most `moe_triton.PAIRS_MAX_TOKENS` tokens); None elsewhere, and the caller uses `moe`."""
+    if not (_current.batch_invariant and x.device.type == "cuda" and x.dtype in HALF):
         return None
-    from ddserve.kernels.moe_triton import fused_moe_pairs
-
-    return fused_moe_pairs(x, topk_ids, topk_weights, weights)
+    kernels = _triton_module("moe_triton")
+    pairs = None if kernels is None else kernels.fused_moe_pairs(x, topk_ids, topk_weights, weights)
+    _note("moe_pairs", "v3 pairs, combine in the shared down matmul" if pairs is not None else
+          "v3 with its combine launch")  # fmt: skip
+    return pairs
 
 
 @functools.cache
@@ -236,26 +241,18 @@ def linear(
     """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics), then + `add` when given (one
     launch on the batch-invariant path, the same bits as the torch ops it stands for).
     add_topk = k > 0: `add` is [M * k, N] fp32, k rows per output row summed in slot order and
-    rounded (the MoE's top-k combine) before the add."""
-    from ddserve.kernels.invariant_ref import linear_ref
+    rounded (the MoE's top-k combine, `invariant_ref.combine_ref`) before the add."""
+    from ddserve.kernels.invariant_ref import combine_ref, linear_ref
 
     kernels = _invariant_for("linear", x)
     if kernels:
         return kernels.linear(x, w, add, add_topk=add_topk)
+    if add_topk and (add is None or add.dtype != torch.float32):
+        raise ValueError("add_topk needs add: the [M * k, N] float32 pair rows")
     y = linear_ref(x, w)
     if add is not None and add_topk:
         add = combine_ref(add, add_topk, y.dtype).view(y.shape)
     return y if add is None else y + add
-
-
-def combine_ref(pairs: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:
-    """[M * k, N] fp32 -> [M, N] in dtype: each row's k pair rows summed in slot order (fp32),
-    rounded once: the MoE's top-k combine (`moe_reduce._combine_kernel`)."""
-    rows = pairs.view(-1, topk, pairs.shape[-1])  # [M, k, N]
-    acc = torch.zeros_like(rows[:, 0])
-    for j in range(topk):
-        acc = acc + rows[:, j]
-    return acc.to(dtype)
 
 
 def bmm_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

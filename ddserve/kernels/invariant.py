@@ -234,6 +234,7 @@ def _launch(
     given. `cfg` (default: `mm_config`'s) and `two_launch` (the split-K sum as
     `_sum_splits_kernel`) are for benchmarks and tests; both ways give the same bits."""
     assert add is None or not two_launch, "the residual add is the in-kernel sum's epilogue"
+    assert add_topk == 0 or heads == 1, "pair rows are addressed by row only"
     x, xs = _canonical(x)
     if x.dim() == 2:
         xs = [xs[0], 0, xs[1]]
@@ -281,12 +282,13 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] in x.dtype, each row independent of the row count.
 
-    `add` (one launch, the same bits as the torch ops it replaces):
+    `add` (one launch, the same bits as the separate launches it replaces):
     - add_topk = 0: `add` [..., N] (x.dtype) is added to the rounded product, rounded once more:
       torch's `linear(x, w) + add`;
     - add_topk = k > 0: `add` [M * k, N] fp32 holds k rows per output row (the MoE's weighted
       expert outputs, pair m * k + j for slot j); their sum in slot order, rounded to x.dtype,
-      is added: `linear(x, w) + combine(add)` with the MoE's top-k combine."""
+      is added: `linear(x, w) + add'` with add' from `moe_reduce._combine_kernel`
+      (`invariant_ref.combine_ref`)."""
     _check(x, w)
     n, k = w.shape
     if x.shape[-1] != k:
@@ -295,7 +297,7 @@ def linear(
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if add is not None:
-        add = _checked_add(add, add_topk, (*x.shape[:-1], n), x)
+        add = _checked_add(add, add_topk, (*x.shape[:-1], n), m, x)
     elif add_topk:
         raise ValueError("add_topk needs add")
     if m:
@@ -305,11 +307,10 @@ def linear(
     return y.view(*x.shape[:-1], n)
 
 
-def _checked_add(add: torch.Tensor, topk: int, out_shape, x: torch.Tensor) -> torch.Tensor:
-    """`linear`'s add argument checked against its mode (out_shape: the output's), as the
-    kernel reads it."""
+def _checked_add(add: torch.Tensor, topk: int, out_shape, m: int, x: torch.Tensor) -> torch.Tensor:
+    """`linear`'s add argument checked against its mode (out_shape: the output's, m its rows),
+    as the kernel reads it."""
     n = out_shape[-1]
-    m = x.numel() // x.shape[-1]
     if add.device != x.device:
         raise ValueError(f"add is on {add.device}, x on {x.device}")
     if topk < 0:

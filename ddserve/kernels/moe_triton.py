@@ -8,7 +8,9 @@
   on its first call (compile or launch: V3_ERROR says why, and v2 runs from then on).
 Both are batch invariant (fixed tiles, fixed-order sums, no atomics). The engine's
 `KernelConfig.moe_variant` (set from DDSERVE_MOE_VARIANT, see `config.py`) or config={"variant":
-...} names a variant explicitly, with no fallback.
+...} names a variant explicitly, with no fallback. `fused_moe_pairs`: v3 without its top-k combine
+(the per-pair outputs) for calls of at most PAIRS_MAX_TOKENS tokens, whose combine the shared
+expert's down matmul then does in its epilogue.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ V3_ERROR: str | None = None  # set when v3 failed to compile or launch (then v2 
 # Tokens up to which the MoE's top-k combine runs in the shared expert's down matmul
 # (`fused_moe_pairs`) instead of its own launch. The shared down matmul plus the combine, K2.6
 # rank shapes on an H200 (bench/bench_shared_epilogue.py, graph replays, us): separate 5.9 /
-# 6.4 / 16.1, combine in the matmul's epilogue 4.8 / 5.0 / 18.4 at 1 / 10 / 170 tokens. The
-# bits are the same either way, so the choice may depend on T.
+# 6.4 / 16.1, combine in the matmul's epilogue 4.8 / 5.0 / 18.4 at 1 / 10 / 170 tokens; 16 lies
+# between the measured points (the crossover is somewhere in 10-170). The bits are the same
+# either way, so the choice may depend on T.
 PAIRS_MAX_TOKENS = 16
 
 

@@ -3,8 +3,10 @@
 Same contract as `moe_ref` / `fused_moe_v2`, INT4 weights with bf16 scales on CUDA only (mma.sync:
 sm_80+, run on sm_90 only; Gluon kernels do not run in the Triton interpreter). Batch invariant
 by construction: every sum runs in an order fixed by the weight shapes (128-column K steps, then
-the SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`), no atomics; the
-tiles picked per call (BM, NT) only change which threads compute which outputs.
+the SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`, or in the
+caller's `invariant.linear(..., add_topk=k)` epilogue with combine=False), no atomics; the tiles
+picked per call (BM, NT) and the block order (expert order from the alignment, slot order for one
+token, which needs no alignment) only change which threads compute which outputs.
 
 The repacked weights are made on first use (`prepare`): written over the original tensors when
 their owner allows it (the model's experts: `ExpertWeights.repack_in_place`), else a cached copy
@@ -210,11 +212,14 @@ def fused_moe_v3(
     config: dict | None = None,
     invariant: bool = True,  # always: the config is fixed
     combine: bool = True,
-) -> torch.Tensor:  # [T, H] in x.dtype
+) -> torch.Tensor:  # [T, H] in x.dtype, or [T * k, H] fp32 with combine=False
     """`moe_ref`'s contract with the Gluon kernel (INT4, bf16 scales, CUDA). combine=False:
     the [T * k, H] fp32 weighted output of every (token, slot) pair instead (pair t * k + j),
     which `_combine_kernel` would sum in slot order; the caller folds that sum into a later
-    launch (`invariant.linear(..., add_topk=k)`)."""
+    launch (`invariant.linear(..., add_topk=k)`). Up to CHUNK tokens only (the per-pair buffer
+    is what CHUNK bounds)."""
+    if not combine and x.shape[0] > CHUNK:
+        raise ValueError(f"MoE v3: combine=False takes at most {CHUNK} tokens, got {x.shape[0]}")
     if x.device.type != "cuda":
         raise RuntimeError("MoE v3 (Gluon) runs on CUDA GPUs only; use variant v2 elsewhere")
     if not weights.is_int4 or weights.w13_scale.dtype != torch.bfloat16:
@@ -226,7 +231,7 @@ def fused_moe_v3(
     if t > CHUNK:
         return torch.cat([
             fused_moe_v3(x[i : i + CHUNK], topk_ids[i : i + CHUNK], topk_weights[i : i + CHUNK],
-                         weights, config=config, combine=combine)
+                         weights, config=config)
             for i in range(0, t, CHUNK)
         ])  # fmt: skip
     w13, w2 = prepare(weights, cfg["W"], cfg["NREP"])

@@ -3,8 +3,10 @@
 Routing (`kernels/router_ref.py`): gate logits in fp32, sigmoid scores; experts are *chosen* on
 score + e_score_correction_bias, restricted to the best `topk_group` groups (a group's score
 is the sum of its top-2 biased scores), and *weighted* by the unbiased scores, normalised if
-`norm_topk_prob`, times `routed_scaling_factor`. Routed experts run through `backend.moe`;
-shared experts are added unscaled; one all-reduce sums the per-rank partials of both.
+`norm_topk_prob`, times `routed_scaling_factor`. Routed experts run through `backend.moe`, or,
+for a few tokens on the GPU, `backend.moe_pairs`, whose per-expert outputs the shared expert's
+down matmul sums in its epilogue; shared experts are added unscaled; one all-reduce sums the
+per-rank partials of both.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class DenseMLP(nn.Module):
         return stacked_rows(g, u) if g.shape == u.shape else None
 
     def forward(
-        self, x: torch.Tensor, add: torch.Tensor | None = None, add_topk: int = 0
+        self, x: torch.Tensor, add: torch.Tensor | None = None, *, add_topk: int = 0
     ) -> torch.Tensor:
         """[T, D] -> [T, D]; plus `add` in the down projection's launch (reduce=False only;
         `add_topk` as `backend.linear` takes it)."""
@@ -261,12 +263,12 @@ class MoE(nn.Module):
         if self.route_hook is not None:
             self.route_hook(ids)
         experts = self.experts.weights()
-        if self.shared_experts is not None:
-            pairs = backend.moe_pairs(x, ids, weights, experts)  # [T * k, D] fp32, or None
-            if pairs is not None:  # the top-k sum and routed + shared in the shared down matmul
-                y = self.shared_experts(x, add=pairs, add_topk=ids.shape[1])
-                return reduce_partials(self.comm, y)
-        y = backend.moe(backend.device_type(x))(x, ids, weights, experts)  # [T, D] this rank's
-        if self.shared_experts is not None:  # routed + shared, added in the down matmul
-            y = self.shared_experts(x, add=y)
+        shared = self.shared_experts
+        pairs = None if shared is None else backend.moe_pairs(x, ids, weights, experts)
+        if pairs is not None:  # [T * k, D] fp32: their top-k sum + shared in the down matmul
+            y = shared(x, add=pairs, add_topk=ids.shape[1])
+        else:
+            y = backend.moe(backend.device_type(x))(x, ids, weights, experts)  # [T, D] partial
+            if shared is not None:  # routed + shared, added in the down matmul
+                y = shared(x, add=y)
         return reduce_partials(self.comm, y)

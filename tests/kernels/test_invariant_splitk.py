@@ -119,20 +119,28 @@ def check_add_epilogue_is_linear_plus_add(inv, dtype, split: int) -> None:
 
 def check_topk_add_is_linear_plus_moe_combine(inv, dtype, split: int) -> None:
     """linear(x, w, add=pairs, add_topk=k) == round(linear(x, w) + combine(pairs)), with the
-    MoE's own combine kernel (`moe_reduce._combine_kernel`: slot-order fp32 sum, rounded)."""
+    MoE's own combine kernel (`moe_reduce._combine_kernel`: slot-order fp32 sum, rounded) and
+    its reference (`invariant_ref.combine_ref`). 70 rows (two 64-row tiles), row-strided pairs;
+    with x = 0 the output is the combine alone, so its order and addressing show in every bit
+    (next to a real product they would round away)."""
+    from ddserve.kernels.invariant_ref import combine_ref
     from ddserve.kernels.moe_reduce import _combine_kernel
 
-    m, n, k, topk = 7, 45, 333, 3
+    m, n, k, topk = 70, 45, 333, 3
     x, w = wide(m, k, dtype=dtype, seed=23), wide(n, k, dtype=dtype, seed=24)
-    pairs = wide(m * topk, n, dtype=torch.float32, seed=25)
-    combined = torch.empty(m, n, dtype=dtype)
-    _combine_kernel[(m, 1)](pairs, combined, n, pairs.stride(0), combined.stride(0), TOPK=topk,
-                            BC=64, PDL=False)  # fmt: skip
-    plain, cfg, _ = run(inv, x, w, 1, split, two_launch=False)
-    y = torch.empty(m, n, dtype=dtype)
-    inv._launch(x, w, y, (0, w.stride(1), w.stride(0)), 1, cfg._replace(split=split), add=pairs,
-                add_topk=topk)  # fmt: skip
-    assert torch.equal(y, interp_round(plain.float() + combined.float(), dtype))
+    pairs = wide(m * topk, n + 3, dtype=torch.float32, seed=25)[:, :n]  # row stride n + 3
+    combined32 = torch.empty(m, n, dtype=torch.float32)
+    _combine_kernel[(m, 1)](pairs, combined32, n, pairs.stride(0), combined32.stride(0),
+                            TOPK=topk, BC=64, PDL=False)  # fmt: skip
+    assert torch.equal(combined32, combine_ref(pairs, topk, torch.float32))
+    combined = interp_round(combined32, dtype)
+    for xs in (x, torch.zeros_like(x)):
+        plain, cfg, _ = run(inv, xs, w, 1, split, two_launch=False)
+        y = torch.empty(m, n, dtype=dtype)
+        inv._launch(xs, w, y, (0, w.stride(1), w.stride(0)), 1, cfg._replace(split=split),
+                    add=pairs, add_topk=topk)  # fmt: skip
+        assert torch.equal(y, interp_round(plain.float() + combined.float(), dtype))
+    assert torch.equal(inv.linear(torch.zeros_like(x), w, pairs, add_topk=topk), combined)
     fused = inv.linear(x, w, add=pairs, add_topk=topk)  # the default configuration
     assert torch.equal(fused, interp_round(inv.linear(x, w).float() + combined.float(), dtype))
 
@@ -230,6 +238,27 @@ def test_linear_topk_add_is_checked() -> None:
         invariant.linear(x, w, add=torch.zeros(6, 5, dtype=torch.float64), add_topk=2)
     with pytest.raises(ValueError, match="add_topk needs add"):
         invariant.linear(x, w, add_topk=2)
+
+
+def test_reference_path_adds_the_pairs_slot_by_slot() -> None:
+    """The torch path (CPU: `backend.linear` -> `invariant_ref`): a row-parallel partial plus k
+    pair rows per output row is F.linear plus their slot-order fp32 sum, rounded; the argument
+    is checked there too."""
+    from ddserve.distributed import LocalComm
+    from ddserve.kernels import backend
+    from ddserve.model.layers import RowParallelLinear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, generator=g).bfloat16()
+    pairs = torch.randn(12, 5, generator=g) * 2.0 ** torch.randint(-20, 20, (12, 5), generator=g)
+    partial = RowParallelLinear(8, 5, LocalComm(), torch.bfloat16, "cpu", reduce=False)
+    torch.nn.init.normal_(partial.weight, generator=g)
+    rows = pairs.view(4, 3, 5)
+    want = ((rows[:, 0] + rows[:, 1]) + rows[:, 2]).bfloat16()  # from 0: 0 + p0 is p0
+    got = partial(x, add=pairs, add_topk=3)
+    assert torch.equal(got, torch.nn.functional.linear(x, partial.weight) + want)
+    with pytest.raises(ValueError, match="float32 pair rows"):
+        backend.linear(x, partial.weight, add_topk=3)
 
 
 def test_row_parallel_linear_adds_only_to_an_unreduced_partial() -> None:

@@ -46,3 +46,45 @@ def test_cpu_tensors_get_a_clear_error() -> None:
     x = torch.randn(2, 128).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="CUDA"):
         moe_v3.fused_moe_v3(x, torch.tensor([[0], [1]]), torch.ones(2, 1), w)
+
+
+@pytest.mark.parametrize("bm", [8, 16])
+def test_one_token_blocks_hold_the_aligned_pairs_in_slot_order(bm: int) -> None:
+    """One token skips the alignment: its k blocks hold the same (expert, pair) sets as
+    `align_by_expert`'s, one pair in each block's first row, padding (P = k) elsewhere, in slot
+    order instead of expert order."""
+    import torch
+
+    from ddserve.kernels.moe_align import align_by_expert
+
+    ids = torch.tensor([[17, 3, 250, 99, 0, 383, 42, 7]])  # [1, k]: distinct experts
+    k = ids.shape[1]
+    pairs, experts = moe_v3._one_token_blocks(ids, bm)
+    assert pairs.dtype == torch.int64 and pairs.shape == (k * bm,)
+    assert experts.tolist() == ids[0].tolist()  # block j: slot j's expert
+    rows = pairs.view(k, bm)
+    assert rows[:, 0].tolist() == list(range(k)) and bool((rows[:, 1:] == k).all())
+    ref_pairs, ref_experts = align_by_expert(ids, 384, bm)
+    ref = {
+        int(e): sorted(int(p) for p in ref_pairs.view(-1, bm)[b] if p < k)
+        for b, e in enumerate(ref_experts) if e < 384
+    }  # fmt: skip
+    assert {int(e): [j] for j, e in enumerate(ids[0])} == ref
+    assert moe_v3._one_token_blocks(ids, bm)[0] is pairs  # made once, kept (graphs hold it)
+
+
+def test_pair_outputs_are_refused_past_one_chunk() -> None:
+    """combine=False returns the per-pair buffer that CHUNK bounds: a longer call is refused
+    (before anything runs)."""
+    import torch
+
+    from ddserve.kernels.moe_ref import ExpertWeights
+
+    t = moe_v3.CHUNK + 1
+    weights = ExpertWeights(w13_packed=torch.zeros(1, 2, 1, dtype=torch.int32),
+                            w13_scale=torch.zeros(1, 2, 1, dtype=torch.bfloat16))  # fmt: skip
+    args = (torch.zeros(t, 8), torch.zeros(t, 2, dtype=torch.long), torch.ones(t, 2), weights)
+    with pytest.raises(ValueError, match=f"at most {moe_v3.CHUNK} tokens"):
+        moe_v3.fused_moe_v3(*args, combine=False)
+    with pytest.raises(RuntimeError, match="CUDA GPUs only"):  # with its combine: chunked
+        moe_v3.fused_moe_v3(*args)
