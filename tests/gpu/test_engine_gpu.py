@@ -120,6 +120,23 @@ def test_graph_replay_matches_the_eager_forward(model_dir) -> None:
     graphed.close()
 
 
+def test_ar_steps_replayed_from_graphs_give_the_eager_tokens(model_dir) -> None:
+    """Plain decoding of several streams, every step a replay of the same captured forward
+    (bf16, batch-invariant kernels), gives the eager engine's tokens, and the same tokens on a
+    second run: a replay must not read anything freed or rewritten since its capture."""
+    params = SamplingParams(max_tokens=16)
+    outs = []
+    for graphs in (False, True, True):
+        cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
+        runner = ModelRunner(
+            model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda"
+        )
+        outs.append(run_all(runner, PROMPTS, params, speculative=False))
+        assert bool(graphs) == bool(runner._graphs and runner._graphs._graphs)
+        runner.close()
+    assert outs[1] == outs[0] and outs[2] == outs[0]
+
+
 def test_ddtree_with_graphs_finishes_and_frees_every_slot(model_dir) -> None:
     runner = _prefilled(model_dir, True)
     start = runner.free_slots + sum(len(st.slots) for st in runner.streams.values())
