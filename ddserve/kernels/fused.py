@@ -23,7 +23,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ddserve.kernels import pdl
-from ddserve.kernels.invariant import _canonical, _interpreting
+from ddserve.kernels.invariant import _canonical
+from ddserve.kernels.pdl import _interpreting
 from ddserve.kernels.pdl import begin as pdl_begin
 
 HALF = (torch.bfloat16, torch.float16)

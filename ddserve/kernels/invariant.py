@@ -37,10 +37,7 @@ import triton.language as tl
 
 from ddserve.kernels import pdl
 from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
-from ddserve.kernels.pdl import (
-    _interpreting,  # noqa: F401 (also used by fused.py)
-    prefetch_l2,
-)
+from ddserve.kernels.pdl import _interpreting, prefetch_l2
 from ddserve.kernels.pdl import begin as pdl_begin
 
 # L2 prefetch per matmul program before its PDL wait (`pdl.PREFETCH`): the first lines of its

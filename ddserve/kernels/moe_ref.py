@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddserve.kernels.invariant_ref import combine_ref
+
 PACK = 8  # int4 values per int32
 GROUP = 32  # columns per scale
 
@@ -144,10 +146,7 @@ def moe_ref(
     by_pair = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # [T, k, H]
     ranked = topk_ids.argsort(dim=1, stable=True)  # [T, k] slots by expert
     ys = by_pair.gather(1, ranked.unsqueeze(-1).expand_as(by_pair))  # [T, k, H]
-    out = torch.zeros(x.shape, dtype=compute, device=x.device)
-    for j in range(k):
-        out += ys[:, j]
-    return out.to(x.dtype)
+    return combine_ref(ys.reshape(t * k, -1), k, x.dtype)
 
 
 def _transposed(
