@@ -122,10 +122,14 @@ class SlotTable:
             cols += range(start, start + len(slots))
             vals += slots
         if vals:
-            idx = torch.tensor([rows, cols], dtype=torch.long).to(self.device)  # [2, N]
-            self.table[idx[0], idx[1]] = torch.tensor(vals, dtype=torch.long).to(self.device)
+            idx = torch.tensor([rows, cols, vals], dtype=torch.long).to(self.device)  # one copy
+            self.table[idx[0], idx[1]] = idx[2]
+
+    def rows(self, sids: list) -> list[int]:
+        """The table rows of these streams (host ints)."""
+        return [self._row[s] for s in sids]
 
     def prefix(self, sids: list, lens: list[int]) -> torch.Tensor:
         """[B, max(max(lens), 1)] slot ids of each stream's first lens[b] tokens (rest: padding)."""
-        rows = torch.tensor([self._row[s] for s in sids], dtype=torch.long).to(self.device)
+        rows = torch.tensor(self.rows(sids), dtype=torch.long).to(self.device)
         return self.table[rows, : max(1, max(lens, default=0))]

@@ -38,12 +38,13 @@ class Drafter(ABC):
     @abstractmethod
     def remove_stream(self, sid: Hashable) -> None: ...
 
-    def device_rows(self, sids: list) -> Tensor | None:
-        """[B] device indices of the streams' drafting state when `draft_rows` computes `draft`
+    def state_rows(self, sids: list) -> list[int] | None:
+        """Indices of the streams' drafting state (host ints) when `draft_rows` computes `draft`
         from them as pure tensor code (the engine then captures the draft in its verify-step
         graph); None, the default: the engine calls `draft` eagerly."""
         return None
 
     def draft_rows(self, rows: Tensor, bonus: Tensor) -> Tensor:
-        """`draft` from `device_rows(sids)`: the same logits, no host work."""
+        """`draft` from `state_rows(sids)` as a [B] device tensor: the same logits, no host
+        work."""
         raise NotImplementedError(f"{type(self).__name__} drafts only through draft()")

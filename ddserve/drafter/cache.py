@@ -98,9 +98,13 @@ class ContextCache:
         for (sid, _, _), n in zip(items, lens, strict=True):
             self._host_len[sid] = n
 
+    def row_ids(self, sids: Sequence[Hashable]) -> list[int]:
+        """Pool rows of `sids`, in order."""
+        return [self._rows[s] for s in sids]
+
     def rows(self, sids: Sequence[Hashable]) -> Tensor:
         """Pool rows of `sids`, in order: [B] long on the cache's device."""
-        return torch.tensor([self._rows[s] for s in sids], dtype=torch.long, device=self.k.device)
+        return torch.tensor(self.row_ids(sids), dtype=torch.long, device=self.k.device)
 
     def layer(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """Context k, v of one layer for the given rows: [B, C, KVH, Dh] each."""

@@ -179,8 +179,8 @@ class DFlashDrafter(Drafter):
         """bonus [B] (each stream's last committed token) -> per-depth logits [B, D, V] float32."""
         return self.draft_rows(self.cache.rows(sids), bonus)
 
-    def device_rows(self, sids: list) -> Tensor:
-        return self.cache.rows(sids)
+    def state_rows(self, sids: list) -> list[int]:
+        return self.cache.row_ids(sids)
 
     @torch.inference_mode()
     def draft_rows(self, rows: Tensor, bonus: Tensor) -> Tensor:

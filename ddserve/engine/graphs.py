@@ -8,11 +8,15 @@ The eager engine is launch-bound (a K2.6 rank forward is ~3,600 kernels). Two ki
   one per (B, budget, P, drafter), with greedy token choice (a batch with sampled streams
   redoes the choice and the acceptance from the graph's logits, eagerly: `ddtree.reselect`).
   A drafter whose draft is pure tensor code
-  (`Drafter.device_rows`, DFlash) is captured in the same graph; others run before it, eagerly,
+  (`Drafter.state_rows`, DFlash) is captured in the same graph; others run before it, eagerly,
   and their logits are copied in. The host then reads the packed acceptance with the step's one
   device-to-host copy.
-B is the batch padded to a bucket and P a power of two >= the longest prefix. Inputs are copied
-into static buffers before `replay()`; outputs are static tensors, valid until the next replay.
+B is the batch padded to a bucket and P a power of two >= the longest prefix. A step's integer
+inputs (token ids, positions, prefix lengths, slot-table rows, new slots) reach the graph in one
+copy from pinned host memory (`_Inputs`), and the prefix slots are gathered from the device slot
+table inside the graph, so a replay costs one host-to-device copy and no copy kernels. The AR
+graph also takes the greedy token of every row, so a greedy AR step's one device-to-host copy
+reads the tokens. Outputs are static tensors, valid until the next replay.
 Padding blocks write their latents to scratch slots reserved at start-up, have no prefix, and
 see only their own block (zero draft logits give them a tree of their own).
 
@@ -58,29 +62,88 @@ def _capture(fn, device) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+class _Inputs:
+    """A graph's integer inputs in one static device buffer, written from pinned host memory by
+    one copy per replay; the captured step reads named views of it, so a replay needs no other
+    host-to-device copy and no copy kernels."""
+
+    def __init__(self, sizes: dict[str, int], device) -> None:
+        self.sizes = sizes
+        total = sum(sizes.values())
+        self.dev = torch.zeros(total, dtype=torch.long, device=device)
+        self.host = torch.zeros(total, dtype=torch.long).pin_memory()
+        self._np = self.host.numpy()
+        self._copied = torch.cuda.Event()  # the last copy out of `host` (reused after it ends)
+        self.views, off = {}, 0
+        for name, n in sizes.items():
+            self.views[name] = self.dev[off : off + n]
+            off += n
+
+    def load(self, **values: list[int]) -> None:
+        """One copy of every input (each list exactly its view's length), queued on the stream."""
+        flat = []
+        for name, n in self.sizes.items():
+            v = values[name]
+            if len(v) != n:
+                raise ValueError(f"graph input {name}: {len(v)} values for {n} places")
+            flat += v
+        self._copied.synchronize()
+        self._np[:] = flat
+        self.dev.copy_(self.host, non_blocking=True)
+        self._copied.record()
+
+
+def _padded(values: list[int], n: int, pad) -> list[int]:
+    """values, then pad (an int, or a list whose tail fills the places past values) up to n."""
+    tail = [pad] * (n - len(values)) if isinstance(pad, int) else pad[len(values) : n]
+    return list(values) + tail
+
+
 class _Graph:
-    """Static buffers and one captured forward for a (B, Q, P) key."""
+    """One captured target forward for a (B, Q, P) key; its greedy tokens captured with it.
 
-    def __init__(self, run_model, b: int, q: int, p: int, scratch: list[int], device) -> None:
-        self.ids = torch.zeros(b * q, dtype=torch.long, device=device)
-        self.pos = torch.zeros_like(self.ids)
-        self.meta, self._scratch, self._eye = _static_meta(b, q, p, scratch, device)
-        self.q = q
-        self.graph, self.out = _capture(lambda: run_model(self.ids, self.pos, self.meta), device)
+    Inputs: ids, positions, prefix lengths, the streams' rows in the slot table (their prefix
+    slots are gathered from it inside the graph) and the new tokens' slots, in one copy."""
 
-    def replay(self, ids, pos, prefix, prefix_lens, block_slots, mask):
-        """Actual inputs for the first n = len(prefix_lens) blocks; the rest reset to padding."""
-        n, m = prefix_lens.shape[0], self.meta
-        rows = n * self.q
-        self.ids[:rows].copy_(ids)
-        self.pos[:rows].copy_(pos)
-        self.ids[rows:].zero_()
-        self.pos[rows:].zero_()
-        _fill_meta(m, n, rows, prefix, prefix_lens, block_slots, self._scratch)
-        m.block_mask[:n].copy_(mask)
-        m.block_mask[n:].copy_(self._eye[n:])
+    def __init__(self, run_model, table, b: int, q: int, p: int, scratch: list[int], device):
+        t = b * q
+        self.b, self.q, self._scratch = b, q, scratch[:t]
+        self.inp = _Inputs(dict(ids=t, pos=t, lens=b, rows=b, slots=t), device)
+        self.inp.load(ids=[0] * t, pos=[0] * t, lens=[0] * b, rows=[0] * b, slots=self._scratch)
+        v = self.inp.views
+        self.mask = torch.eye(q, dtype=torch.bool, device=device).repeat(b, 1, 1)
+        self._eye = self.mask.clone()
+        starts = torch.arange(b, device=device) * q
+        q_lens = torch.full((b,), q, dtype=torch.long, device=device)
+        # every tensor the captured forward reads and that was made outside the capture must
+        # live as long as the graph (a freed one's memory is handed to later eager tensors)
+        self._static = (starts, q_lens, table)
+        width = min(p, table.shape[1])
+
+        def forward():
+            prefix = table[:, :width].index_select(0, v["rows"])  # [B, P]
+            meta = TreeAttnMeta(
+                q_starts=starts, q_lens=q_lens, prefix_slots=prefix, prefix_lens=v["lens"],
+                block_slots=v["slots"], block_mask=self.mask,
+            )  # fmt: skip
+            out = run_model(v["ids"], v["pos"], meta)
+            return out, out.logits.argmax(dim=-1)
+
+        self.graph, (self.out, self.tokens) = _capture(forward, device)
+
+    def replay(self, ids, pos, rows, prefix_lens, block_slots, mask) -> None:
+        """Actual inputs (host ints) for the first n = len(prefix_lens) blocks; the rest padding
+        (no prefix, scratch slots). `mask` [n, Q, Q] is read only when Q > 1 (a one-row block
+        sees itself)."""
+        b, n, t = self.b, len(prefix_lens), self.b * self.q
+        self.inp.load(
+            ids=_padded(ids, t, 0), pos=_padded(pos, t, 0), lens=_padded(prefix_lens, b, 0),
+            rows=_padded(rows, b, 0), slots=_padded(block_slots, t, self._scratch),
+        )  # fmt: skip
+        if self.q > 1:
+            self.mask[:n].copy_(mask)
+            self.mask[n:].copy_(self._eye[n:])
         self.graph.replay()
-        return self.out
 
 
 class _VerifyGraph:
@@ -88,128 +151,145 @@ class _VerifyGraph:
     acceptance), preceded by the draft itself when the drafter can be captured (`drafter`, its
     `draft_rows` from static state rows), else fed the drafter's logits [B, D, V] (`draft_shape`
     (D, V)). Padding blocks draft from row 0 or get zero logits, have no prefix, write to scratch
-    slots and see only their own block."""
+    slots and see only their own block. Integer inputs arrive in one copy (`_Inputs`)."""
 
-    def __init__(self, run_model, b, n, p, drafter, draft_shape, scratch, device) -> None:
+    def __init__(self, run_model, table, b, n, p, drafter, draft_shape, scratch, device) -> None:
         q = n + 1
-        self.meta, self._scratch, _ = _static_meta(b, q, p, scratch, device)
-        self.q = q
-        self.bonus = torch.zeros(b, dtype=torch.long, device=device)
-        self.rows = torch.zeros(b, dtype=torch.long, device=device)  # drafter state rows
+        t = b * q
+        self.b, self.q, self._scratch = b, q, scratch[:t]
+        sizes = dict(bonus=b, lens=b, rows=b, slots=t)
+        if drafter is not None:
+            sizes["draft_rows"] = b  # the drafter's state rows
+        self.inp = _Inputs(sizes, device)
+        zeros = {name: [0] * size for name, size in sizes.items() if name != "slots"}
+        self.inp.load(**zeros, slots=self._scratch)
+        v = self.inp.views
         self.draft = None
         if drafter is None:
             self.draft = torch.zeros(b, *draft_shape, dtype=torch.float32, device=device)
+        width = min(p, table.shape[1])
+        self.meta = meta = TreeAttnMeta(  # kept: the graph reads its tensors
+            q_starts=torch.arange(b, device=device) * q,
+            q_lens=torch.full((b,), q, dtype=torch.long, device=device),
+            prefix_slots=torch.zeros(b, width, dtype=torch.long, device=device),
+            prefix_lens=v["lens"], block_slots=v["slots"],
+            block_mask=torch.eye(q, dtype=torch.bool, device=device).repeat(b, 1, 1),
+        )  # fmt: skip
 
         def forward(ids, pos, visible):
-            self.meta.block_mask.copy_(visible)
-            return run_model(ids, pos, self.meta)
+            meta.block_mask.copy_(visible)
+            return run_model(ids, pos, meta)
 
         def step():
-            draft = self.draft if drafter is None else drafter.draft_rows(self.rows, self.bonus)
+            torch.index_select(table[:, :width], 0, v["rows"], out=meta.prefix_slots)
+            if drafter is None:
+                draft = self.draft
+            else:
+                draft = drafter.draft_rows(v["draft_rows"], v["bonus"])
             argmax = lambda logits: logits.argmax(dim=-1)  # noqa: E731
-            return verify_step(forward, argmax, draft, self.bonus, self.meta.prefix_lens, n)
+            return verify_step(forward, argmax, draft, v["bonus"], meta.prefix_lens, n)
 
+        self._table = table
         self.graph, self.out = _capture(step, device)
 
-    def replay(self, draft, rows, bonus, prefix, prefix_lens, block_slots) -> VerifyResult:
-        n = prefix_lens.shape[0]
+    def replay(self, draft, draft_rows, bonus, rows, prefix_lens, block_slots) -> VerifyResult:
+        """Host ints for the first n = len(prefix_lens) blocks (`draft_rows` when the draft is
+        captured, else `draft` [n, D, V] on the device); the rest padding."""
+        b, n, t = self.b, len(prefix_lens), self.b * self.q
+        extra = {} if self.draft is not None else dict(draft_rows=_padded(draft_rows, b, 0))
+        self.inp.load(bonus=_padded(bonus, b, 0), lens=_padded(prefix_lens, b, 0),
+                      rows=_padded(rows, b, 0), slots=_padded(block_slots, t, self._scratch),
+                      **extra)  # fmt: skip
         if self.draft is not None:
             self.draft[:n].copy_(draft)
             self.draft[n:].zero_()
-        else:
-            self.rows[:n].copy_(rows)
-            self.rows[n:].zero_()
-        self.bonus[:n].copy_(bonus)
-        self.bonus[n:].zero_()
-        _fill_meta(self.meta, n, n * self.q, prefix, prefix_lens, block_slots, self._scratch)
         self.graph.replay()
         return self.out
 
 
-def _static_meta(b: int, q: int, p: int, scratch: list[int], device):
-    """Static attention metadata for B blocks of Q rows and P prefix slots (padding: scratch
-    slots, no prefix, each block seeing only itself), its scratch slots and identity masks."""
-    t = b * q
-    meta = TreeAttnMeta(
-        q_starts=torch.arange(b, device=device) * q,
-        q_lens=torch.full((b,), q, dtype=torch.long, device=device),
-        prefix_slots=torch.zeros(b, p, dtype=torch.long, device=device),
-        prefix_lens=torch.zeros(b, dtype=torch.long, device=device),
-        block_slots=torch.tensor(scratch[:t], dtype=torch.long, device=device),
-        block_mask=torch.eye(q, dtype=torch.bool, device=device).repeat(b, 1, 1),
-    )
-    return meta, meta.block_slots.clone(), meta.block_mask.clone()
-
-
-def _fill_meta(m: TreeAttnMeta, n: int, rows: int, prefix, prefix_lens, block_slots, scratch):
-    """The first n blocks' prefix and slots; the blocks past them back to padding."""
-    m.prefix_slots[:n, : prefix.shape[1]].copy_(prefix)
-    m.prefix_lens[:n].copy_(prefix_lens)
-    m.prefix_lens[n:].zero_()
-    m.block_slots[:rows].copy_(block_slots)
-    m.block_slots[rows:].copy_(scratch[rows:])
-
-
 class GraphedForward:
     """Captures lazily, per shape key, and replays; `run` returns None when the shape is not
-    graphable (larger than the largest bucket), so the caller runs eagerly."""
+    graphable (larger than the largest bucket), so the caller runs eagerly.
+
+    The graphs gather prefix slots from the slot table `table` [R, L] (a stream's row lists its
+    slots in order); a table that was reallocated (grown) invalidates them, so they are dropped
+    and captured again."""
 
     def __init__(self, run_model, buckets: tuple[int, ...], scratch: list[int], device) -> None:
         self._run_model, self.buckets = run_model, tuple(sorted(buckets))
         self._scratch, self._device = scratch, torch.device(device)
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}
         self._verify: dict[tuple, _VerifyGraph] = {}
+        self._table: torch.Tensor | None = None
 
     def _bucket(self, n: int, q: int) -> int | None:
         b = next((x for x in self.buckets if x >= n), None)
         return None if b is None or b * q > len(self._scratch) else b
 
-    def run(self, ids, pos, prefix, prefix_lens, block_slots, mask, q: int, tag=()):
+    def _use_table(self, table: torch.Tensor) -> None:
+        if self._table is not None and (
+            table.data_ptr() != self._table.data_ptr() or table.shape != self._table.shape
+        ):
+            log.info("the slot table was reallocated: capturing the graphs again")
+            self.close()
+        self._table = table
+
+    def run(self, ids, pos, rows, prefix_lens, block_slots, mask, q: int, table, tag=()):
         """The forward over the first n = len(prefix_lens) blocks of q rows by graph replay, or
-        None when the shape is not graphable. `tag`: what else the captured forward depends on
-        (the runner's captured layers, which follow its drafter); part of the graph's key."""
-        n = prefix_lens.shape[0]
+        None when the shape is not graphable. Host ints: ids, pos and block_slots [n * q], rows
+        (each block's slot-table row) and prefix_lens [n]; `mask` [n, q, q] (read when q > 1).
+        `tag`: what else the captured forward depends on (the runner's captured layers, which
+        follow its drafter); part of the graph's key. Returns (the model output cut to n * q
+        rows, the greedy token at each of them); the logits and tokens are the graph's static
+        tensors, valid until its next replay."""
+        n = len(prefix_lens)
         b = self._bucket(n, q)
         if b is None:
             return None
-        shape = (b, q, _pow2_at_least(prefix.shape[1]))
+        self._use_table(table)
+        shape = (b, q, _pow2_at_least(max(prefix_lens, default=1)))
         g = self._graphs.get((*shape, tag))
         if g is None:
             log.info("capturing the target forward for blocks=%d rows=%d prefix<=%d", *shape)
             g = self._graphs[(*shape, tag)] = _Graph(
-                self._run_model, *shape, self._scratch, self._device
+                self._run_model, table, *shape, self._scratch, self._device
             )
-        out = g.replay(ids, pos, prefix, prefix_lens, block_slots, mask)
-        hidden = None if out.hidden is None else out.hidden[: n * q].clone()  # small; kept later
-        return type(out)(logits=out.logits[: n * q], hidden=hidden)  # logits: until next replay
+        g.replay(ids, pos, rows, prefix_lens, block_slots, mask)
+        out, t = g.out, n * q
+        hidden = None if out.hidden is None else out.hidden[:t].clone()  # small; kept later
+        return type(out)(logits=out.logits[:t], hidden=hidden), g.tokens[:t]
 
     def run_verify(
-        self, draft, rows, drafter, bonus, prefix, prefix_lens, block_slots, budget: int, tag=()
-    ) -> VerifyResult | None:
+        self, draft, draft_rows, drafter, bonus, rows, prefix_lens, block_slots, budget: int,
+        table, tag=(),
+    ) -> VerifyResult | None:  # fmt: skip
         """`verify_step` with greedy token choice over the first n = len(prefix_lens) blocks, by
-        replaying one graph, the draft inside it (`drafter.draft_rows(rows, bonus)`) when
-        `draft` is None; None when the shape is not graphable; `tag` as in `run`. The result's
-        tensors are the graph's static outputs (valid until its next replay), cut to n blocks;
-        sampled batches redo the choice from its logits (`ddtree.reselect`)."""
-        n = prefix_lens.shape[0]
+        replaying one graph, the draft inside it (`drafter.draft_rows` from the host ints
+        `draft_rows`) when `draft` is None; None when the shape is not graphable. Host ints:
+        bonus, rows (slot-table rows), prefix_lens [n] and block_slots [n * (budget + 1)]; `tag`
+        as in `run`. The result's tensors are the graph's static outputs (valid until its next
+        replay), cut to n blocks; sampled batches redo the choice from its logits
+        (`ddtree.reselect`)."""
+        n = len(prefix_lens)
         b = self._bucket(n, budget + 1)
         if b is None:
             return None
+        self._use_table(table)
         source = (None, tuple(draft.shape[1:])) if draft is not None else (drafter, None)
-        key = (b, budget, _pow2_at_least(prefix.shape[1]), *source)
+        key = (b, budget, _pow2_at_least(max(prefix_lens, default=1)), *source)
         g = self._verify.get((*key, tag))
         if g is None:
             log.info("capturing the verify step for blocks=%d budget=%d prefix<=%d", *key[:3])
             g = self._verify[(*key, tag)] = _VerifyGraph(
-                self._run_model, *key, self._scratch, self._device
+                self._run_model, table, *key, self._scratch, self._device
             )
-        res = g.replay(draft, rows, bonus, prefix, prefix_lens, block_slots)
+        res = g.replay(draft, draft_rows, bonus, rows, prefix_lens, block_slots)
         cut = lambda t: None if t is None else t[:n]  # noqa: E731
         tree = dataclasses.replace(res.tree, **{f: cut(getattr(res.tree, f)) for f in TREE_TENSORS})
         return VerifyResult(cut(res.packed), cut(res.hidden), tree, cut(res.logits),
                             cut(res.all_hidden))  # fmt: skip
 
     def close(self) -> None:
+        torch.cuda.synchronize(self._device)  # no replay in flight
         self._graphs.clear()
         self._verify.clear()
-        torch.cuda.synchronize(self._device)

@@ -212,43 +212,49 @@ class ModelRunner:
         self.slot_table.append(items)
 
     def _decode_forward(self, sts: list[Stream], q: int, new: list[list[int]], mask, ids, pos):
-        """The decode/verify forward: graph replay when enabled and the shape fits, else eager."""
+        """The forward over q new rows per stream (AR: q = 1; `mask` [B, q, q] the rows'
+        visibility within a block), by graph replay when enabled and the shape fits, else
+        eagerly: (model output, the greedy token of each row, or None when eager). ids and pos
+        [B * q]: host ints (the graph takes them in its one input copy) or tensors."""
+        as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else list(x)  # noqa: E731
         if self._graphs is not None:
-            lens = [len(st.slots) for st in sts]
-            prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
-            flat = torch.tensor([s for block in new for s in block]).to(self.device)
-            lens_t = torch.tensor(lens).to(self.device)
-            out = self._graphs.run(ids, pos, prefix, lens_t, flat, mask, q, tag=self.capture)
-            if out is not None:
+            res = self._graphs.run(
+                as_list(ids), as_list(pos), self.slot_table.rows([st.sid for st in sts]),
+                [len(st.slots) for st in sts], [s for block in new for s in block], mask, q,
+                self.slot_table.table, tag=self.capture,
+            )  # fmt: skip
+            if res is not None:
                 self.target_forwards += 1
-                return out
-        return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask))
+                return res
+        ids, pos = (torch.as_tensor(x, device=self.device) for x in (ids, pos))
+        return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask)), None
 
-    def _verify(self, sts: list[Stream], draft, rows, bonus, blocks: list[list[int]], n: int):
+    def _verify(self, sts: list[Stream], draft, rows, bonus: list[int], blocks, n: int):
         """`verify_step` for these streams (their budget-n trees in `blocks`' slots) from the
-        drafter's logits `draft`, or, when it is None, from its state `rows` (the draft then runs
-        in the same graph): one graph replay when graphs are on and the shape fits, else eagerly."""
+        drafter's logits `draft`, or, when it is None, from its state `rows` (host ints; the
+        draft then runs in the same graph): one graph replay when graphs are on and the shape
+        fits, else eagerly. `bonus`: each stream's last committed token."""
         lens = [len(st.slots) for st in sts]
         select = lambda logits: self._sample(sts, logits)  # noqa: E731
         if self._graphs is not None:
-            prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
             res = self._graphs.run_verify(
-                draft, rows, self.drafter, bonus, prefix, torch.tensor(lens).to(self.device),
-                torch.tensor([s for b in blocks for s in b]).to(self.device), n, self.capture,
+                draft, rows, self.drafter, bonus, self.slot_table.rows([st.sid for st in sts]),
+                lens, [s for b in blocks for s in b], n, self.slot_table.table, self.capture,
             )  # fmt: skip
             if res is not None:
                 self.target_forwards += 1
                 if not all(st.params.greedy for st in sts):
                     res = reselect(res, select)
                 return res.packed, None if res.hidden is None else res.hidden.clone()
+        bonus_t = torch.tensor(bonus, device=self.device)  # [B]
         if draft is None:
-            draft = self.drafter.draft_rows(rows, bonus)  # [B, D, V]
+            draft = self.drafter.draft_rows(torch.tensor(rows, device=self.device), bonus_t)
 
         def forward(ids, pos, visible):
             return self._forward(ids, pos, self._meta(sts, [n + 1] * len(sts), blocks, visible))
 
         prefix_lens = torch.tensor(lens, device=self.device)  # [B]
-        res = verify_step(forward, select, draft, bonus, prefix_lens, n)
+        res = verify_step(forward, select, draft, bonus_t, prefix_lens, n)
         return res.packed, res.hidden
 
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
@@ -364,11 +370,14 @@ class ModelRunner:
         sts = self._active(sids)
         new = self._alloc_scratch([1] * len(sts))
         with self._free_on_error(new):
-            ids = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
-            pos = torch.tensor([len(st.slots) for st in sts], device=self.device)  # [B]
+            ids = [st.output[-1] for st in sts]
+            pos = [len(st.slots) for st in sts]
             ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
-            out = self._decode_forward(sts, 1, new, ones, ids, pos)
-            toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
+            out, greedy = self._decode_forward(sts, 1, new, ones, ids, pos)
+            if greedy is not None and all(st.params.greedy for st in sts):
+                toks = greedy.tolist()  # one D2H copy
+            else:
+                toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
             if self.drafter is not None:  # before any stream changes: a failure undoes the step
                 hid = out.hidden
                 self.drafter.commit_many([
@@ -402,9 +411,12 @@ class ModelRunner:
         if n == 0:
             return self.ar_step(sids)
         sts = self._active(sids)
-        bonus = torch.tensor([st.output[-1] for st in sts], device=self.device)  # [B]
-        rows = self.drafter.device_rows(list(sids)) if self._graphs is not None else None
-        draft = self.drafter.draft(list(sids), bonus) if rows is None else None  # [B, D, V]
+        bonus = [st.output[-1] for st in sts]
+        rows = self.drafter.state_rows(list(sids)) if self._graphs is not None else None
+        if rows is None:  # a drafter the verify graph cannot hold drafts eagerly
+            draft = self.drafter.draft(list(sids), torch.tensor(bonus, device=self.device))
+        else:
+            draft = None
         blocks = self._alloc_scratch([n + 1] * len(sts))
         with self._free_on_error(blocks):
             packed_t, hidden = self._verify(sts, draft, rows, bonus, blocks, n)

@@ -110,7 +110,7 @@ def test_graph_replay_matches_the_eager_forward(model_dir) -> None:
             ids = torch.randint(0, 256, (len(sts) * q,), generator=torch.Generator().manual_seed(q))
             pos = torch.tensor([len(st.slots) + j for st in sts for j in range(q)])
             mask = torch.ones(len(sts), q, q, dtype=torch.bool).tril()
-            out = r._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
+            out, _ = r._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
             outs.append(out.logits.float().clone())
             for block in new:
                 r.allocator.free(block)
@@ -178,3 +178,41 @@ def test_the_captured_verify_step_equals_the_eager_one(model_dir, drafter_kind, 
         assert outs[True] == ar and outs[False] == ar
     else:
         assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_graphs_are_captured_again_when_the_slot_table_grows(model_dir, speculative) -> None:
+    """The graphs gather each stream's prefix slots from the device slot table; streams beyond
+    its rows (max_streams) reallocate it, after which the graphs must be captured again. Two
+    streams decode (graphs captured), two more arrive (the table grows), and all four decode to
+    plain AR's tokens, as the eager engine gives them."""
+    params = SamplingParams(max_tokens=10)
+    plain = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16")
+    ref = _decode(ModelRunner(model_dir, engine_cfg=plain, device="cuda"), False)
+    cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=True, max_streams=2)
+    runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda")
+    out: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+
+    def step() -> None:
+        sids = list(runner.streams)
+        res = runner.ddtree_step(sids) if speculative else runner.ar_step(sids)
+        for sid, so in res.items():
+            out[sid] += so.tokens
+
+    for i in (0, 1):
+        runner.add_stream(i, PROMPTS[i], params)
+    for sid, so in runner.prefill().items():
+        out[sid] += so.tokens
+    step()
+    table = runner.slot_table.table
+    captured = len(runner._graphs._graphs) + len(runner._graphs._verify)
+    assert captured >= 1
+    for i in (2, 3):
+        runner.add_stream(i, PROMPTS[i], params)
+    assert runner.slot_table.table.data_ptr() != table.data_ptr()  # it grew
+    for sid, so in runner.prefill().items():
+        out[sid] += so.tokens
+    while runner.streams:
+        step()
+    assert [out[i] for i in range(len(PROMPTS))] == [r[:10] for r in ref]
+    runner.close()

@@ -46,7 +46,7 @@ def _logits(runner: ModelRunner, q: int, seed: int) -> torch.Tensor:
     ids = torch.randint(0, 256, (len(sts) * q,), generator=g)
     pos = torch.tensor([len(st.slots) + j for st in sts for j in range(q)])
     mask = torch.ones(len(sts), q, q, dtype=torch.bool).tril()
-    out = runner._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
+    out, _ = runner._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
     logits = out.logits.clone()
     for block in new:
         runner.allocator.free(block)
