@@ -79,9 +79,33 @@ def _load_keys(kv_ptr, slot, kok, stride_kv, R: tl.constexpr, P: tl.constexpr):
 @triton.jit
 def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2):
     """Fold keys c [BN, R], kp [BN, P] into the rows' state where `vis` [BM, BN]. The one score +
-    update code of the invariant mode: shared and per-token tiles both call it."""
+    update code of the invariant mode: per-token tiles call it, shared tiles `_shared_key_tile`
+    (the same arithmetic where every key is visible)."""
     sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(vis, sc * scale_log2, float("-inf"))
+    return _online_update(m, l_sum, acc, sc, c)
+
+
+@triton.jit
+def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, stride_kv,
+                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
+    """`_key_tile` for a whole tile of prefix keys, which every row of the tile sees: no masks
+    on the loads, and the scores' `where` is on the row alone (padding rows see nothing, as in
+    `_key_tile`). The `where` must stay: without it the compiler contracts `sc * scale - m`
+    into one FMA, and this tile's bits would differ from the same keys in a per-token tile
+    (a row whose last prefix tile is shared in its AR decode but per-token in its verify call).
+    Key offsets are 32-bit unless the cache has 2^31 elements or more (OFF64). At decode the
+    loop is bound by issuing instructions (Nsight Compute on an H200: ~7.5 cycles per warp
+    instruction, few waits on memory), so every one counts."""
+    dr = tl.arange(0, R)
+    dp = tl.arange(0, P)
+    if OFF64:
+        slot = slot.to(tl.int64)
+    row = kv_ptr + slot * stride_kv  # [BN] row pointers
+    c = tl.load(row[:, None] + dr[None, :])
+    kp = tl.load(row[:, None] + R + dp[None, :])
+    sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
+    sc = tl.where(row_ok[:, None], sc * scale_log2, float("-inf"))
     return _online_update(m, l_sum, acc, sc, c)
 
 
@@ -171,7 +195,7 @@ def _tree_attn_inv_kernel(
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
-    LINE_STEP: tl.constexpr,
+    LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows; the tail tiles are done once per token with that token's keys (same `_key_tile`).
@@ -186,9 +210,9 @@ def _tree_attn_inv_kernel(
             prefetch_prefix_keys(kv_ptr, pslots_ptr, plens_ptr, b, split * SPLIT, stride_ps,
                                  stride_kv, ROW_LINES, LINE_PAD, LINE_STEP, SPLIT)  # fmt: skip
     pdl_begin(PDL)
-    q0 = tl.load(q_starts_ptr + b)
-    qlen = tl.load(q_lens_ptr + b)
-    plen = tl.load(plens_ptr + b)
+    q0 = tl.load(q_starts_ptr + b).to(tl.int32)  # 32-bit index arithmetic from here on
+    qlen = tl.load(q_lens_ptr + b).to(tl.int32)
+    plen = tl.load(plens_ptr + b).to(tl.int32)
     s0 = split * SPLIT
     if tile * BM >= qlen * H:  # no rows of this block in this tile
         return
@@ -196,7 +220,7 @@ def _tree_attn_inv_kernel(
     qrow = r // H
     head = r % H
     row_ok = qrow < qlen
-    t = q0 + qrow
+    t = (q0 + qrow).to(tl.int64)  # token rows: 64-bit offsets into q and out
     if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
         if nsplit > 1:
             prow = (t.to(tl.int64) * H + head) * nsplit + split
@@ -226,12 +250,10 @@ def _tree_attn_inv_kernel(
     acc = tl.zeros([BM, R], dtype=tl.float32)
     n_end = tl.minimum(s1, pfull)
     ps_row = pslots_ptr + b * stride_ps
-    for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared
-        kidx = n0 + tl.arange(0, BN)
-        vis = row_ok[:, None] & (kidx[None, :] < nrow[:, None])
-        slot_s = tl.load(ps_row + kidx).to(tl.int64)
-        c, kp = _load_keys(kv_ptr, slot_s, kidx < plen, stride_kv, R, P)
-        m, l_sum, acc = _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2)
+    for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared, every key visible
+        slot_s = tl.load(ps_row + n0 + tl.arange(0, BN)).to(tl.int32)
+        m, l_sum, acc = _shared_key_tile(q, qp, kv_ptr, slot_s, row_ok, m, l_sum, acc, scale_log2,
+                                         stride_kv, R, P, OFF64)  # fmt: skip
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
     m, l_sum, acc = _tail_tiles(  # tail tiles: each token's own keys
@@ -380,6 +402,7 @@ def tree_mla_attention_invariant(
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
+        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:

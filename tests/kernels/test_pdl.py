@@ -187,7 +187,7 @@ def test_tree_attention_ptx_reads_only_metadata_before_its_wait() -> None:
             "stride_ot", "stride_oh", "stride_ps", "stride_mb", "stride_mq")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
     consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=9, LINE_PAD=16)
-    consts.update(LINE_STEP=64)
+    consts.update(LINE_STEP=64, OFF64=False)
     sig.update(dict.fromkeys(consts, "constexpr"))
     kernel = ta._tree_attn_inv_kernel
     divisible = [*names, *(n for n in ints if n not in kernel.do_not_specialize)]
