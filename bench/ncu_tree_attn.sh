@@ -79,12 +79,12 @@ import csv, io, sys
 text = open(sys.argv[1]).read().split("### launch ")
 for part in text[1:]:
     head, _, body = part.partition("\n")
-    lines = [l for l in body.splitlines() if l.startswith('"')]
+    lines = [l for l in body.splitlines() if l.startswith('"') and not l.startswith('"Kernel Name"')]
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
     if not rows:
         print(f"launch {head}: no rows; first lines:\n" + "\n".join(body.splitlines()[:5]))
         continue
-    cols = list(rows[0])
+    cols = [c for c in rows[0] if c]
     samp = next((c for c in cols if "Sampling" in c and "All" in c), None) or next(
         (c for c in cols if "Sampl" in c), None)
     print(f"launch {head}: {len(rows)} instructions; columns: {cols}")
@@ -93,7 +93,11 @@ for part in text[1:]:
         except ValueError: return 0.0
     total = sum(num(r.get(samp, 0)) for r in rows) if samp else 0
     print(f"  total samples ({samp}): {total:.0f}")
-    stall_cols = [c for c in cols if c.startswith("stall_") or "Stall" in c]
+    stall_cols = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
+    totals = sorted(((sum(num(r[c]) for r in rows), c) for c in stall_cols), reverse=True)
+    print("  by reason: " + ", ".join(f"{c} {v:.0f}" for v, c in totals[:8] if v > 0))
+    executed = sum(num(r.get("Instructions Executed", 0)) for r in rows)
+    print(f"  warp instructions executed: {executed:.0f}")
     top = sorted(range(len(rows)), key=lambda i: -num(rows[i].get(samp, 0)))[:45]
     for i in sorted(top):
         r = rows[i]
