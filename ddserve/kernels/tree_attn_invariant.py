@@ -94,9 +94,10 @@ def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, str
     `_key_tile`). The `where` must stay: without it the compiler contracts `sc * scale - m`
     into one FMA, and this tile's bits would differ from the same keys in a per-token tile
     (a row whose last prefix tile is shared in its AR decode but per-token in its verify call).
-    Key offsets are 32-bit unless the cache has 2^31 elements or more (OFF64). At decode the
-    loop is bound by issuing instructions (Nsight Compute on an H200: ~7.5 cycles per warp
-    instruction, few waits on memory), so every one counts."""
+    Key offsets are 32-bit unless the cache has 2^31 elements or more (OFF64). At decode a
+    tile's time is its instruction stream's (Nsight Compute on an H200: a warp issues every
+    ~7.5 cycles, stalled mostly on fixed-latency dependencies and shared-memory operands, little
+    on memory), so every instruction counts."""
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
     if OFF64:
