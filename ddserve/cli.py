@@ -61,9 +61,10 @@ def _serve(sub: argparse._SubParsersAction) -> None:
         description="Start a private local Ray (or join --address) and serve /v1/completions, "
         "/v1/chat/completions, /v1/models, /health and /metrics. With no --model, serves the "
         "embedded ddserve-code-21m and its drafter (tp=2 on CPU so the distributed path runs). "
-        "The deployment is checked first (paths, tp, resources): an impossible one exits with "
-        "status 2 and its cause. Ctrl-C or SIGTERM stops the server and the Ray it started. "
-        "The local Ray listens on 127.0.0.1 only; only --host:--port is meant to be reached.",
+        "The deployment is checked first (paths, tp, resources, the HTTP port): an impossible "
+        "one exits with status 2 and its cause. Ctrl-C or SIGTERM stops the server and the "
+        "Ray it started. The local Ray listens on 127.0.0.1 only; only --host:--port is meant "
+        "to be reached.",
     )
     p.add_argument("--model", default=None,
                    help="checkpoint dir (default: the embedded ddserve-code-21m)")  # fmt: skip

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,12 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def prompts(n: int) -> list[str]:
@@ -134,4 +128,3 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"identical: {same}/{len(texts)}", flush=True)
     return 0 if same == len(texts) else 1
-

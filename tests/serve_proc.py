@@ -7,11 +7,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,12 +25,6 @@ def ddserve_cmd() -> list[str]:
 def ddserve_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def session_pids(sid: int) -> list[int]:

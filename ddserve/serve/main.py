@@ -2,8 +2,14 @@
 the app with Serve, serve until Ctrl-C or SIGTERM, then stop what it started.
 
 - An impossible deployment (missing paths, a tp that does not shard the model, resources no
-  node offers) exits with status 2 and one line `ddserve: error: <cause>` before any replica
-  starts; a replica that still fails to start exits 1 with its root cause in one line.
+  node offers, an HTTP port that cannot be listened on) exits with status 2 and one line
+  `ddserve: error: <cause>` before any replica starts. A start-up that fails once Ray runs
+  (Serve's HTTP proxy cannot bind the port, a replica fails, the proxy does not accept
+  connections once the app runs) exits 1 with its root cause in one line.
+- The port checks (a test bind before Ray starts, a TCP connect once the app runs) are made
+  for a local Ray only, whose proxy listens on this machine. With --address the proxies are the
+  cluster's: on its nodes, which need not include this machine, and a Serve already running
+  there keeps the port it was started with.
 - Without --address, Ray is a new local instance (`address="local"`: never a cluster found
   on the machine) that dies with this process: `ray.shutdown()` on a normal exit, and a
   reaper process (reaper.py) for whatever is left when this process is killed. It is a
@@ -26,6 +32,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,6 +50,7 @@ RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 REPLICA_BIND_HOOK = "ddserve.serve.raybind.bind_replica_grpc"
 LOCAL_PLACEMENT_TIMEOUT_S = 60.0  # a private cluster has its resources at once, or never
 DELETE_TIMEOUT_S = 30.0  # removing the app from a shared cluster (--address)
+PROXY_LISTEN_TIMEOUT_S = 60.0  # for the HTTP proxy to accept connections once the app runs
 INTERRUPTED = 130
 
 
@@ -86,6 +94,8 @@ def main(args) -> int:
             config = config_from_args(args, key)
             nodes = None if args.address else [preflight.local_node()]
             ServeConfig.model_validate(config).preflight(nodes)
+            if not args.address:  # a local Ray's HTTP proxy will listen on this machine
+                preflight.check_port(args.host, args.port)
         except ValueError as e:
             return error(e)
         return _run(args, config, key)
@@ -99,8 +109,10 @@ def _run(args, config: dict[str, Any], key: str | None) -> int:
     from ray import serve
 
     from ddserve.serve.deployment import build_app
+    from ddserve.serve.preflight import host_port
 
     local = not args.address
+    where = host_port(args.host, args.port)
     try:
         try:
             _start_ray(args.address, key)
@@ -110,13 +122,18 @@ def _run(args, config: dict[str, Any], key: str | None) -> int:
             app = build_app(config)
         except ValueError as e:
             return error(e)
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:  # waits for the HTTP proxy: raises if it cannot bind (the port taken since)
+            serve.start(http_options={"host": args.host, "port": args.port})
+        except (RuntimeError, TimeoutError) as e:
+            cause = root_cause(str(e)) or one_line_cause(e)
+            return start_failure(f"Serve did not start on {where}: {cause}")
         try:  # returns once the replica is up (warmed up); raises once Serve gives up on it
             serve.run(app, name=APP, route_prefix="/", blocking=False)
         except RuntimeError as e:
-            print(f"ddserve: error: the replica failed to start: {deploy_failure(e)}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            return 1
+            return start_failure(f"the replica failed to start: {deploy_failure(e)}")
+        if local and not wait_listening(args.host, args.port, PROXY_LISTEN_TIMEOUT_S):
+            return start_failure(f"the HTTP proxy did not start listening on {where} within "
+                                 f"{PROXY_LISTEN_TIMEOUT_S:g} s")  # fmt: skip
         gcs = ray.get_runtime_context().gcs_address
         auth = ", API key required" if key else ""
         print(
@@ -137,6 +154,27 @@ def error(e: BaseException) -> int:
     """Print `ddserve: error: <cause>` (one line) and return the exit status 2."""
     print(f"ddserve: error: {one_line_cause(e)}", file=sys.stderr, flush=True)
     return 2
+
+
+def start_failure(cause: str) -> int:
+    """Print `ddserve: error: <cause>` for a start-up that failed once Ray ran; return 1."""
+    print(f"ddserve: error: {cause}", file=sys.stderr, flush=True)
+    return 1
+
+
+def wait_listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts TCP connections on (host, port) within `timeout_s` (polled;
+    a wildcard host, 0.0.0.0 or ::, is reached on loopback)."""
+    target = {"0.0.0.0": LOOPBACK, "::": "::1"}.get(host, host)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((target, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def one_line_cause(e: BaseException) -> str:

@@ -9,12 +9,15 @@ instead of replicas failing (or waiting for resources) again and again:
   communicator of that size, so every divisibility rule the real load applies (heads, expert
   widths in whole INT4 groups, vocabulary, ...) is checked, and nothing is allocated;
 - some node can host one replica's shards: tp GPUs on one node (STRICT_PACK), counting the
-  node types an autoscaler may still launch.
+  node types an autoscaler may still launch;
+- (`ddserve serve` with a local Ray) the HTTP port can be listened on (`check_port`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -85,6 +88,36 @@ def check_resources(
 
 def _fits(shape: dict[str, float], need: dict[str, float]) -> bool:
     return all(shape.get(k, 0) >= v for k, v in need.items())
+
+
+# what a failed bind most likely means, by errno
+_BIND_HINTS = {
+    errno.EADDRINUSE: "another process is using it? choose another --port",
+    errno.EADDRNOTAVAIL: "is --host an address of this machine?",
+    errno.EACCES: "ports below 1024 need privileges; choose another --port",
+}
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port(host: str, port: int) -> None:
+    """Raises DeploymentError unless an HTTP server could listen on (host, port) now. The test
+    bind sets SO_REUSEADDR as HTTP servers do (a port whose old connections linger in
+    TIME_WAIT passes) but not SO_REUSEPORT, so a port anything listens on fails, even where
+    Serve's proxy (which sets both) would share it with a listener that also set SO_REUSEPORT."""
+    if not 1 <= port <= 65535:
+        raise DeploymentError(f"--port {port} is not a TCP port (1-65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as Serve's proxy chooses
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            hint = f" ({_BIND_HINTS[e.errno]})" if e.errno in _BIND_HINTS else ""
+            msg = f"cannot listen on {host_port(host, port)}: {e.strerror or e}{hint}"
+            raise DeploymentError(msg) from None
 
 
 def local_node() -> dict[str, float]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from model_utils import make_meta, rel_err
+from ports import free_port
 
 from ddserve.distributed import GlooComm
 from ddserve.kernels import backend
@@ -66,12 +65,6 @@ def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None
         comm.barrier()
     finally:
         comm.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
