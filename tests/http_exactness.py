@@ -46,19 +46,20 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)  # fmt: skip
         self.lines: list[str] = []
-        ready = threading.Event()
+        ready = threading.Event()  # set once it serves, or once its output ends (it exited)
 
         def pump() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
                 if "serving on" in line:
                     ready.set()
+            ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(startup_s):
+        if not ready.wait(startup_s) or not any("serving on" in ln for ln in self.lines):
             self.stop()
             tail = "".join(self.lines[-30:])
-            raise RuntimeError(f"server did not start in {startup_s:.0f} s:\n{tail}")
+            raise RuntimeError(f"server did not start (limit {startup_s:.0f} s):\n{tail}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -74,16 +74,17 @@ def start_server(
     env = ddserve_env() if env is None else env
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, **out)
     lines: list[str] = []
-    ready = threading.Event()
+    ready = threading.Event()  # set once it serves, or once its output ends (it exited)
 
     def pump() -> None:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("ddserve: serving on"):
                 ready.set()
+        ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(startup_s):
+    if not ready.wait(startup_s) or not any(ln.startswith("ddserve: serving on") for ln in lines):
         Server(proc, "", "", lines).stop()
         raise RuntimeError("server did not start:\n" + "".join(lines[-40:]))
     gcs = re.search(r"Ray at ([\d.]+:\d+)", next(ln for ln in lines if "Ray at" in ln))[1]
