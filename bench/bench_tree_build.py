@@ -1,8 +1,13 @@
-"""DDTree builder (the torch ops in ddserve/ddtree/tree.py) on the device: time per step.
+"""DDTree builder (ddserve/ddtree/tree.py) on the device: time per step.
 
 16 streams x budget 64 (and 16, 32), 15 draft depths, K2.6's vocabulary (163840). Reported as a
 share of one verify step's floor: at 16 x 65 tokens a step touches essentially every routed expert,
 so per rank at tp=8 it streams >= 60 MoE layers x 384 experts x one expert's INT4 bytes.
+
+On CUDA `build_tree` takes the fused first stage (ddserve/kernels/draft_topk.py); each row also
+times the builder on the torch first stage and the two first stages alone (graph replay), with a
+check of the fused result against `draft_topk_ref`. `first_stage` repeats the first-stage timings
+at 1 / 10 / 16 streams and k 16 / 64; --sweep times the fused stage over launch shapes.
 """
 
 from __future__ import annotations
@@ -12,17 +17,64 @@ import argparse
 import torch
 from _util import copy_bandwidth_gbs, device, environment, time_ms, write_json
 
-from ddserve.ddtree.tree import build_tree
+from ddserve.ddtree.tree import (
+    MIN_LOGPROB,
+    build_tree,
+    log_softmax_topk,
+    top_draft_tokens,
+    tree_from_topk,
+)
 
 # One K2.6 expert per rank at tp=8: w13 [512, 7168] + w2 [7168, 256] INT4 with bf16 group-32 scales.
 EXPERT_BYTES = 512 * 7168 // 2 + 512 * 224 * 2 + 7168 * 256 // 2 + 7168 * 8 * 2
 MOE_LAYERS, EXPERTS = 60, 384
+SWEEP = [(seg, w, sw) for seg in (2048, 4096, 8192) for w in (2, 4) for sw in (4, 8, 16)]
+
+
+def fused_module(logits: torch.Tensor, k: int):
+    """ddserve.kernels.draft_topk where it serves these logits (what `build_tree` takes), else
+    None."""
+    if logits.device.type != "cuda":
+        return None
+    from ddserve.kernels import draft_topk
+
+    return draft_topk if draft_topk.supports(logits, k) else None
+
+
+def first_stage(logits: torch.Tensor, k: int) -> dict:
+    """Torch and fused first stage (graph replay, ms) on `logits`, and whether the fused tokens
+    are the reference's and its log-probs within 1e-5 of it (None where it does not run)."""
+    rec = dict(torch_ms=time_ms(lambda: log_softmax_topk(logits, k)), fused_ms=None)
+    kernels = fused_module(logits, k)
+    if kernels is not None:
+        rec["fused_ms"] = time_ms(lambda: kernels.draft_topk(logits, k, MIN_LOGPROB))
+        lp, tok = kernels.draft_topk(logits, k, MIN_LOGPROB)
+        ref_lp, ref_tok = kernels.draft_topk_ref(logits, k, MIN_LOGPROB)
+        rec["tokens_equal_ref"] = bool(torch.equal(tok, ref_tok))
+        rec["max_abs_lp_err"] = float((lp - ref_lp).abs().max())
+    return rec
+
+
+def sweep(dev: torch.device, d: int, v: int) -> list[dict]:
+    """The fused stage at k 64 over (segment, warps, select warps), at 1 and 16 streams."""
+    from ddserve.kernels import draft_topk
+
+    out = []
+    for b in (1, 16):
+        logits = (torch.randn(b, d, v, device=dev) * 3).to(torch.bfloat16)
+        for seg, w, sw in SWEEP:
+            cfg = draft_topk.topk_config(v, 64, segment=seg, warps=w, select_warps=sw)
+            ms = time_ms(lambda x=logits, c=cfg: draft_topk.draft_topk(x, 64, MIN_LOGPROB, c))
+            out.append(dict(streams=b, config=cfg._asdict(), ms=ms))
+            print(f"  sweep B={b} {cfg}: {ms * 1e3:.1f} us")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the fused stage's launch shapes")
     args = ap.parse_args()
     dev = device()
     b, d, v = (4, 15, 512) if args.smoke else (16, 15, 163840)
@@ -32,13 +84,17 @@ def main() -> None:
                step_floor_ms=step_floor_ms, rows=[])  # fmt: skip
     for budget in (16, 32, 64):
         logits = (torch.randn(b, d, v, device=dev) * 3).to(torch.bfloat16)
-        row = dict(budget=budget)
+        k = min(budget, v)  # the builder's first stage, as written and with top-k taken first
+        row = dict(budget=budget, fused_first_stage=fused_module(logits, k) is not None)
         row["ms"] = time_ms(lambda logits=logits, budget=budget: build_tree(logits, budget))
         row["eager_ms"] = time_ms(
             lambda logits=logits, budget=budget: build_tree(logits, budget), graph=False
         )
+        row["torch_stage_ms"] = time_ms(
+            lambda logits=logits, k=k, budget=budget: tree_from_topk(
+                *log_softmax_topk(logits, k), budget)
+        )  # fmt: skip
         row["share_of_step_floor"] = row["ms"] / step_floor_ms
-        k = min(budget, v)  # the builder's first stage, as written and with top-k taken first
         row["logsoftmax_topk_ms"] = time_ms(
             lambda logits=logits, k=k: logits.float().log_softmax(-1).topk(k, dim=-1)
         )
@@ -47,10 +103,23 @@ def main() -> None:
                 logits.topk(k, dim=-1)[0].float() - logits.float().logsumexp(-1, keepdim=True)
             )
         )
+        row["first_stage_ms"] = time_ms(lambda logits=logits, k=k: top_draft_tokens(logits, k))
         res["rows"].append(row)
-        print(f"B={b} budget={budget}: {row['ms'] * 1e3:.1f} us in a graph, "
+        print(f"B={b} budget={budget}: {row['ms'] * 1e3:.1f} us in a graph "
+              f"({row['torch_stage_ms'] * 1e3:.1f} on the torch first stage), "
               f"{row['eager_ms'] * 1e3:.1f} us eager, {row['share_of_step_floor']:.2%} of a "
               f"{step_floor_ms:.2f} ms step floor")  # fmt: skip
+    res["first_stage"] = []
+    for streams in (1, 10) if args.smoke else (1, 10, 16):
+        logits = (torch.randn(streams, d, v, device=dev) * 3).to(torch.bfloat16)
+        for k in (16, 64):
+            rec = dict(streams=streams, k=k, **first_stage(logits, k))
+            res["first_stage"].append(rec)
+            fused = "-" if rec["fused_ms"] is None else f"{rec['fused_ms'] * 1e3:.1f}"
+            print(f"first stage B={streams} k={k}: torch {rec['torch_ms'] * 1e3:.1f} us, "
+                  f"fused {fused} us")  # fmt: skip
+    if args.sweep and dev.type == "cuda":
+        res["fused_sweep"] = sweep(dev, d, v)
     write_json(args.out, res)
 
 

@@ -6,6 +6,8 @@ path never scores above its prefix and rank r+1 never above rank r, the pops com
 non-increasing score order: the tree is the `budget` most probable prefixes, in descending score
 order. This file computes that set directly with fixed shapes and no host sync:
 
+0. per depth, the top-K draft tokens and their log-probs (`top_draft_tokens`: a fused Triton
+   kernel on CUDA, `kernels/draft_topk.py`; torch's log_softmax + topk elsewhere);
 1. per depth d, a beam of the `budget` best depth-d paths, taken among the children of the
    depth-(d-1) beam (a top-`budget` path's prefix is itself a top-`budget` path);
 2. a stable descending sort of all D * budget beam entries, keep the first `budget`.
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ddserve.kernels import backend
 
 # Log-probs are clamped here so that padding (-inf) always sorts after every real path.
 MIN_LOGPROB = -1.0e4
@@ -56,20 +60,59 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
     """The `budget` most probable draft prefixes per stream.
 
     draft_logits: [B, D, V] per-depth drafter logits (depth 1..D). Each depth contributes its
-    top-K tokens, K = min(budget, V, topk or budget). Raises ValueError when fewer than `budget`
-    distinct paths exist (sum_d K^d < budget); the check uses shapes only.
+    top-K tokens, K = min(budget, V, topk or budget) (`top_draft_tokens`). Raises ValueError when
+    fewer than `budget` distinct paths exist (sum_d K^d < budget); the check uses shapes only.
     """
-    b, d, v = draft_logits.shape
+    _, d, v = draft_logits.shape
     k = min(budget, v, topk or budget)
+    _check_budget(budget, d, k)
+    return tree_from_topk(*top_draft_tokens(draft_logits, k), budget)
+
+
+def _check_budget(budget: int, d: int, k: int) -> None:
     if budget < 1 or d < 1:
         raise ValueError(f"need budget >= 1 and depth >= 1, got budget={budget}, depth={d}")
     if max_tree_nodes(d, k, budget) < budget:
         raise ValueError(
             f"budget {budget} exceeds the {max_tree_nodes(d, k, budget)} paths of D={d}, K={k}"
         )
-    dev = draft_logits.device
+
+
+def top_draft_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each depth's k most probable draft tokens: (log-probs [B, D, k] float32 clamped at
+    MIN_LOGPROB, sorted descending; tokens [B, D, k] int64). On CUDA the fused Triton kernel
+    (`kernels.draft_topk`: ties to the lower token, deterministic) where it takes the shape,
+    else `log_softmax_topk`; the two agree up to the log-probs' last bits and the order of
+    (near-)ties."""
+    kernels = _fused_topk(draft_logits, k)
+    if kernels is not None:
+        return kernels.draft_topk(draft_logits, k, MIN_LOGPROB)
+    return log_softmax_topk(draft_logits, k)
+
+
+def log_softmax_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_draft_tokens` in torch ops (the CPU path; torch orders ties as it likes)."""
     logp = draft_logits.float().log_softmax(dim=-1).clamp_min(MIN_LOGPROB)  # [B, D, V]
-    top_lp, top_tok = logp.topk(k, dim=-1)  # [B, D, K] sorted descending
+    return logp.topk(k, dim=-1)  # [B, D, K] each, sorted descending
+
+
+def _fused_topk(draft_logits: torch.Tensor, k: int):
+    """The fused first stage's module when it serves these logits (CUDA, triton importable,
+    `draft_topk.supports`); else None. The choice is logged once per kind."""
+    if draft_logits.device.type != "cuda":
+        return None
+    kernels = backend._triton_module("draft_topk")
+    use = kernels is not None and kernels.supports(draft_logits, k)
+    backend._note("draft_topk", "triton fused" if use else f"torch (k={k}, {draft_logits.dtype})")
+    return kernels if use else None
+
+
+def tree_from_topk(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int) -> DraftTree:
+    """`build_tree` from each depth's top-K: top_lp [B, D, K] float32 sorted descending (clamped
+    at MIN_LOGPROB), top_tok [B, D, K] int64."""
+    b, d, k = top_lp.shape
+    _check_budget(budget, d, k)
+    dev = top_lp.device
     w, depth_used = budget, min(d, budget)
 
     # Depth 1: the top-K tokens themselves, padded to the beam width.
