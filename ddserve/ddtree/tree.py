@@ -84,27 +84,14 @@ def top_draft_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     (`kernels.draft_topk`: ties to the lower token, deterministic) where it takes the shape,
     else `log_softmax_topk`; the two agree up to the log-probs' last bits and the order of
     (near-)ties."""
-    kernels = _fused_topk(draft_logits, k)
-    if kernels is not None:
-        return kernels.draft_topk(draft_logits, k, MIN_LOGPROB)
-    return log_softmax_topk(draft_logits, k)
+    fused = backend.draft_topk(draft_logits, k, MIN_LOGPROB)
+    return fused if fused is not None else log_softmax_topk(draft_logits, k)
 
 
 def log_softmax_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`top_draft_tokens` in torch ops (the CPU path; torch orders ties as it likes)."""
     logp = draft_logits.float().log_softmax(dim=-1).clamp_min(MIN_LOGPROB)  # [B, D, V]
     return logp.topk(k, dim=-1)  # [B, D, K] each, sorted descending
-
-
-def _fused_topk(draft_logits: torch.Tensor, k: int):
-    """The fused first stage's module when it serves these logits (CUDA, triton importable,
-    `draft_topk.supports`); else None. The choice is logged once per kind."""
-    if draft_logits.device.type != "cuda":
-        return None
-    kernels = backend._triton_module("draft_topk")
-    use = kernels is not None and kernels.supports(draft_logits, k)
-    backend._note("draft_topk", "triton fused" if use else f"torch (k={k}, {draft_logits.dtype})")
-    return kernels if use else None
 
 
 def tree_from_topk(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int) -> DraftTree:

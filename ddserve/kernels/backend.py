@@ -39,6 +39,9 @@ launch (`pdl.py`; `KernelConfig.pdl`, DDSERVE_PDL=0 turns it off), waiting on th
 predecessor; the matmul, the router's gate and verify-call tree attention prefetch their first
 weight / key lines into L2 before that wait. A linear may take `add` (the MoE's routed output
 added in the shared expert's down matmul), bitwise `linear(x, w) + add`.
+CUDA, either mode: the DDTree builder's first stage (each depth's top-k draft tokens and
+log-probs): `draft_topk._segment_kernel` + `_select_kernel` (k <= 256; torch's log_softmax +
+topk beyond it and on CPU).
 CUDA, batch-invariant mode off: the same MoE; tree attention `tree_attn_triton._tree_attn_kernel`
 (tiles tuned per call); linear / bmm_heads / rms_norm / row_sum in torch.
 """
@@ -154,6 +157,22 @@ def moe_pairs(
     _note("moe_pairs", "v3 pairs, combine in the shared down matmul" if pairs is not None else
           "v3 with its combine launch")  # fmt: skip
     return pairs
+
+
+def draft_topk(
+    draft_logits: torch.Tensor, k: int, floor: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each draft row's k most probable tokens (log-probs [B, D, k] float32 clamped at `floor`,
+    descending; tokens int64) by the fused kernel (`draft_topk.draft_topk`: ties to the lower
+    token, deterministic) where it serves these logits (CUDA, Triton imports, `supports`); None
+    elsewhere, and the caller runs its torch log_softmax + topk (`ddtree.tree`). Not tied to
+    batch-invariant mode: the draft tree only shapes which tokens are verified."""
+    if draft_logits.device.type != "cuda":
+        return None
+    kernels = _triton_module("draft_topk")
+    use = kernels is not None and kernels.supports(draft_logits, k)
+    _note("draft_topk", "triton fused" if use else f"torch (k={k}, {draft_logits.dtype})")
+    return kernels.draft_topk(draft_logits, k, floor) if use else None
 
 
 @functools.cache
