@@ -90,7 +90,7 @@ class _Inputs:
         self._copied.synchronize()
         self._np[:] = flat
         self.dev.copy_(self.host, non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.dev.device))  # the copy's stream
 
 
 def _padded(values: list[int], n: int, pad) -> list[int]:

@@ -29,7 +29,8 @@ kernel's order. Deterministic: every sum and max has a fixed order for a given (
 (`tl.sum` / `tl.max` trees of fixed shape, the segments' sums added in one program), so every
 tensor-parallel rank builds the same tree from the same logits, and a row's outputs do not depend
 on the other rows. The log-probs differ from torch's log_softmax in the last bits (another
-summation order). A row without a finite logit gives NaN, as torch's does.
+summation order). A row without a finite logit (never a drafter's) gives `floor` on the GPU
+(the clamp's max drops the NaN) and NaN in Triton's interpreter and in torch.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def supports(draft_logits: torch.Tensor, k: int) -> bool:
     """Whether `draft_topk` takes these logits and k (shapes and dtype only; no sync)."""
     v = draft_logits.shape[-1]
     if draft_logits.dim() != 3 or draft_logits.dtype not in DTYPES or not 1 <= k <= min(MAX_K, v):
+        return False
+    if draft_logits.stride(2) != 1:  # the kernels read each row's tokens contiguously
         return False
     cfg = topk_config(v, k)
     _, nh = _sizes(v, cfg)

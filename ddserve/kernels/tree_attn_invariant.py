@@ -138,7 +138,7 @@ def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, ns
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
-        prow = (t.to(tl.int64) * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
+        prow = (t * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
         tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
         tl.store(plse_ptr + prow, lse, mask=row_ok)
 
@@ -199,7 +199,8 @@ def _tree_attn_inv_kernel(
     LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
-    rows; the tail tiles are done once per token with that token's keys (same `_key_tile`).
+    rows (`_shared_key_tile`); the tail tiles are done once per token with that token's keys
+    (`_key_tile`, the same arithmetic).
     ROW_LINES > 0 (PDL launches of verify calls): the first row tile's program of each split
     prefetches the split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
@@ -224,7 +225,7 @@ def _tree_attn_inv_kernel(
     t = (q0 + qrow).to(tl.int64)  # token rows: 64-bit offsets into q and out
     if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
         if nsplit > 1:
-            prow = (t.to(tl.int64) * H + head) * nsplit + split
+            prow = (t * H + head) * nsplit + split
             tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
         return
     dr = tl.arange(0, R)

@@ -137,8 +137,7 @@ def _run(args, config: dict[str, Any], key: str | None) -> int:
         gcs = ray.get_runtime_context().gcs_address
         auth = ", API key required" if key else ""
         print(
-            f"ddserve: serving on http://{args.host}:{args.port}/v1 (Ray at {gcs}{auth}); "
-            "Ctrl-C to stop",
+            f"ddserve: serving on http://{where}/v1 (Ray at {gcs}{auth}); Ctrl-C to stop",
             flush=True,
         )
         try:
