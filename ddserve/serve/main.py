@@ -124,7 +124,7 @@ def _run(args, config: dict[str, Any], key: str | None) -> int:
             return error(e)
         try:  # waits for the HTTP proxy: raises if it cannot bind (the port taken since)
             serve.start(http_options={"host": args.host, "port": args.port})
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:  # e.g. the proxy died
             cause = root_cause(str(e)) or one_line_cause(e)
             return start_failure(f"Serve did not start on {where}: {cause}")
         try:  # returns once the replica is up (warmed up); raises once Serve gives up on it
