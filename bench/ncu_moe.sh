@@ -81,18 +81,5 @@ if [ $RC -ne 0 ] || ! grep -q '"Metric Name"' "$CSV"; then
 fi
 
 # 3. Compact report: one block per kernel, "section | metric = value unit".
-python3 - "$CSV" <<'EOF' | head -190 | tee -a "$REPORT"
-import csv, sys
-lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
-rows = list(csv.DictReader(lines))
-last = None
-for r in rows:
-    name = r.get("Kernel Name", "?")[:40]
-    key = (r.get("ID"), name)
-    if key != last:
-        print(f"== {name} (id {r.get('ID')}) grid {r.get('Grid Size')} block {r.get('Block Size')}")
-        last = key
-    sec = r.get("Section Name", "")[:24]
-    print(f"  {sec:24s} | {r.get('Metric Name', '')[:44]:44s} = {r.get('Metric Value', '')} {r.get('Metric Unit', '')}")
-EOF
+python3 "$ROOT/bench/ncu_report.py" "$CSV" | head -190 | tee -a "$REPORT"
 exit 0

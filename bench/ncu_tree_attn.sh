@@ -54,19 +54,7 @@ if [ $RC -ne 0 ] || [ ! -f "$REP.ncu-rep" ]; then
   exit 1
 fi
 "$NCU" --import "$REP.ncu-rep" --csv --page details >"$OUTDIR/ncu_tree_attn_details.csv" 2>&1
-python3 - "$OUTDIR/ncu_tree_attn_details.csv" <<'EOF' | head -400 | tee -a "$REPORT"
-import csv, sys
-lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
-last = None
-for r in csv.DictReader(lines):
-    name = r.get("Kernel Name", "?")[:40]
-    key = (r.get("ID"), name)
-    if key != last:
-        print(f"== {name} (id {r.get('ID')}) grid {r.get('Grid Size')} block {r.get('Block Size')}")
-        last = key
-    sec = r.get("Section Name", "")[:24]
-    print(f"  {sec:24s} | {r.get('Metric Name', '')[:44]:44s} = {r.get('Metric Value', '')} {r.get('Metric Unit', '')}")
-EOF
+python3 "$ROOT/bench/ncu_report.py" "$OUTDIR/ncu_tree_attn_details.csv" | head -400 | tee -a "$REPORT"
 # Per-instruction SASS with stall samples, one file per profiled kernel launch (ids 0..3).
 : >"$OUTDIR/ncu_tree_attn_sass.csv"
 for id in 0 1 2 3; do

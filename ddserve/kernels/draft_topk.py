@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ddserve.kernels import pdl
 from ddserve.kernels.pdl import begin as pdl_begin
+from ddserve.kernels.router import _ordered, _unordered  # fp32 <-> order-preserving int32
 
 MAX_K = 256  # larger k: the torch first stage
 MAX_SELECT = 16384  # keys one selection may read (groups per row, k_pad * W logits)
@@ -93,19 +94,6 @@ def _sizes(v: int, cfg: TopkConfig) -> tuple[int, int]:
 def _selects(cfg: TopkConfig, k_pad: int, nh: int) -> int:
     """Keys the larger of the two selections reads."""
     return max(triton.next_power_of_2(nh), k_pad * cfg.width)
-
-
-@triton.jit
-def _ordered(v):
-    """fp32 -> int32 with the same order (negative floats get their magnitude bits flipped)."""
-    i = v.to(tl.int32, bitcast=True)
-    return tl.where(i < 0, i ^ 0x7FFFFFFF, i)
-
-
-@triton.jit
-def _unordered(o):
-    """The inverse of `_ordered`."""
-    return tl.where(o < 0, o ^ 0x7FFFFFFF, o).to(tl.float32, bitcast=True)
 
 
 @triton.jit
