@@ -4,10 +4,15 @@
 share of one verify step's floor: at 16 x 65 tokens a step touches essentially every routed expert,
 so per rank at tp=8 it streams >= 60 MoE layers x 384 experts x one expert's INT4 bytes.
 
-On CUDA `build_tree` takes the fused first stage (ddserve/kernels/draft_topk.py); each row also
-times the builder on the torch first stage and the two first stages alone (graph replay), with a
-check of the fused result against `draft_topk_ref`. `first_stage` repeats the first-stage timings
-at 1 / 10 / 16 streams and k 16 / 64; --sweep times the fused stage over launch shapes.
+On CUDA `build_tree` takes the fused first stage (ddserve/kernels/draft_topk.py) and the fused
+second stage (the tree from the top-k, ddserve/kernels/tree_beam.py; `fused_beam` in a row says
+whether it ran); each row also times the builder on the torch first stage (`torch_stage_ms`: the
+second stage as `tree_from_topk` chooses it) and the two first stages alone (graph replay), with
+a check of the fused result against `draft_topk_ref`. `first_stage` repeats the first-stage
+timings at 1 / 10 / 16 streams and k 16 / 64; `beam` times the second stage alone, the fused
+kernel against the torch beam (`tree_from_topk_torch`) at 1 / 10 / 16 streams and budgets 16 /
+32 / 64 (K = budget), with a bitwise check of the fused tree against the torch one. --sweep
+times the fused first stage over launch shapes and the fused beam over warps.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from ddserve.ddtree.tree import (
     log_softmax_topk,
     top_draft_tokens,
     tree_from_topk,
+    tree_from_topk_torch,
 )
 
 # One K2.6 expert per rank at tp=8: w13 [512, 7168] + w2 [7168, 256] INT4 with bf16 group-32 scales.
 EXPERT_BYTES = 512 * 7168 // 2 + 512 * 224 * 2 + 7168 * 256 // 2 + 7168 * 8 * 2
 MOE_LAYERS, EXPERTS = 60, 384
 SWEEP = [(seg, w, sw) for seg in (2048, 4096, 8192) for w in (2, 4) for sw in (4, 8, 16)]
+BEAM_WARPS = (1, 2, 4, 8)
+TREE_FIELDS = ("tokens", "parents", "depths", "visible", "scores")
 
 
 def fused_module(logits: torch.Tensor, k: int):
@@ -53,6 +61,44 @@ def first_stage(logits: torch.Tensor, k: int) -> dict:
         rec["tokens_equal_ref"] = bool(torch.equal(tok, ref_tok))
         rec["max_abs_lp_err"] = float((lp - ref_lp).abs().max())
     return rec
+
+
+def beam_module(lp: torch.Tensor, tok: torch.Tensor, budget: int):
+    """ddserve.kernels.tree_beam where it serves this top-k (what `tree_from_topk` takes), else
+    None."""
+    if lp.device.type != "cuda":
+        return None
+    from ddserve.kernels import tree_beam
+
+    return tree_beam if tree_beam.supports(lp, tok, budget) else None
+
+
+def beam_stage(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> dict:
+    """Torch and fused second stage (graph replay, ms) on one top-k, and whether the fused tree
+    is the torch one bit for bit (None where the kernel does not run)."""
+    rec = dict(torch_ms=time_ms(lambda: tree_from_topk_torch(lp, tok, budget)), fused_ms=None)
+    kernels = beam_module(lp, tok, budget)
+    if kernels is not None:
+        rec["fused_ms"] = time_ms(lambda: kernels.tree_beam(lp, tok, budget))
+        got, want = kernels.tree_beam(lp, tok, budget), tree_from_topk_torch(lp, tok, budget)
+        rec["bitwise_equal"] = all(
+            torch.equal(a.view(torch.uint8), getattr(want, n).view(torch.uint8))
+            for a, n in zip(got, TREE_FIELDS, strict=True)
+        )
+    return rec
+
+
+def beam_sweep(dev: torch.device, d: int, v: int) -> list[dict]:
+    """The fused second stage at 16 streams and budget 64 over its warps."""
+    from ddserve.kernels import tree_beam
+
+    lp, tok = top_draft_tokens((torch.randn(16, d, v, device=dev) * 3).to(torch.bfloat16), 64)
+    out = []
+    for warps in BEAM_WARPS:
+        ms = time_ms(lambda w=warps: tree_beam.tree_beam(lp, tok, 64, warps=w))
+        out.append(dict(streams=16, budget=64, warps=warps, ms=ms))
+        print(f"  beam sweep B=16 budget=64 warps={warps}: {ms * 1e3:.1f} us")
+    return out
 
 
 def sweep(dev: torch.device, d: int, v: int) -> list[dict]:
@@ -86,6 +132,7 @@ def main() -> None:
         logits = (torch.randn(b, d, v, device=dev) * 3).to(torch.bfloat16)
         k = min(budget, v)  # the builder's first stage, as written and with top-k taken first
         row = dict(budget=budget, fused_first_stage=fused_module(logits, k) is not None)
+        row["fused_beam"] = beam_module(*top_draft_tokens(logits, k), budget) is not None
         row["ms"] = time_ms(lambda logits=logits, budget=budget: build_tree(logits, budget))
         row["eager_ms"] = time_ms(
             lambda logits=logits, budget=budget: build_tree(logits, budget), graph=False
@@ -118,8 +165,19 @@ def main() -> None:
             fused = "-" if rec["fused_ms"] is None else f"{rec['fused_ms'] * 1e3:.1f}"
             print(f"first stage B={streams} k={k}: torch {rec['torch_ms'] * 1e3:.1f} us, "
                   f"fused {fused} us")  # fmt: skip
+    res["beam"] = []
+    for streams in (1, 4) if args.smoke else (1, 10, 16):
+        logits = (torch.randn(streams, d, v, device=dev) * 3).to(torch.bfloat16)
+        for budget in (16, 32, 64):
+            lp, tok = top_draft_tokens(logits, min(budget, v))
+            rec = dict(streams=streams, budget=budget, **beam_stage(lp, tok, budget))
+            res["beam"].append(rec)
+            fused = "-" if rec["fused_ms"] is None else f"{rec['fused_ms'] * 1e3:.1f}"
+            print(f"beam B={streams} budget={budget}: torch {rec['torch_ms'] * 1e3:.1f} us, "
+                  f"fused {fused} us, bitwise equal {rec.get('bitwise_equal', '-')}")  # fmt: skip
     if args.sweep and dev.type == "cuda":
         res["fused_sweep"] = sweep(dev, d, v)
+        res["beam_sweep"] = beam_sweep(dev, d, v)
     write_json(args.out, res)
 
 

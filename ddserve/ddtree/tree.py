@@ -14,6 +14,9 @@ order. This file computes that set directly with fixed shapes and no host sync:
 
 Ties are broken by depth (shallower first), then by position in the depth's beam (parent's
 position, then the child's draft rank), so parents always precede their children.
+Steps 1-2 (`tree_from_topk`) are one fused Triton kernel on CUDA (`kernels/tree_beam.py`: the
+paper's best-first pops, the same tensors bit for bit); `tree_from_topk_torch` is the torch code
+(the CPU path and the kernel's reference).
 """
 
 from __future__ import annotations
@@ -95,8 +98,21 @@ def log_softmax_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
 
 
 def tree_from_topk(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int) -> DraftTree:
-    """`build_tree` from each depth's top-K: top_lp [B, D, K] float32 sorted descending (clamped
-    at MIN_LOGPROB), top_tok [B, D, K] int64."""
+    """`build_tree` from each depth's top-K: top_lp [B, D, K] float32 log-probs sorted descending
+    per depth, clamped at MIN_LOGPROB (so in [MIN_LOGPROB, 0]: `top_draft_tokens`' outputs),
+    top_tok [B, D, K] int64. On CUDA the fused kernel (`kernels.tree_beam`) where it takes the
+    shape, which equals `tree_from_topk_torch` bit for bit on such inputs (not on others, e.g.
+    unsorted or positive log-probs); else `tree_from_topk_torch`."""
+    _, d, k = top_lp.shape
+    _check_budget(budget, d, k)
+    fused = backend.tree_beam(top_lp, top_tok, budget)
+    if fused is None:
+        return tree_from_topk_torch(top_lp, top_tok, budget)
+    return DraftTree(*fused, max_depth=min(d, budget))
+
+
+def tree_from_topk_torch(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int) -> DraftTree:
+    """`tree_from_topk` in torch ops: the beam of steps 1-2 (any device)."""
     b, d, k = top_lp.shape
     _check_budget(budget, d, k)
     dev = top_lp.device

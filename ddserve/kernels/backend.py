@@ -41,7 +41,9 @@ weight / key lines into L2 before that wait. A linear may take `add` (the MoE's 
 added in the shared expert's down matmul), bitwise `linear(x, w) + add`.
 CUDA, either mode: the DDTree builder's first stage (each depth's top-k draft tokens and
 log-probs): `draft_topk._segment_kernel` + `_select_kernel` (k <= 256; torch's log_softmax +
-topk beyond it and on CPU).
+topk beyond it and on CPU); its second stage (the tree from those top-k, best-first pops, the
+torch beam's tensors bit for bit): `tree_beam._tree_beam_kernel` (budget <= 256; the torch beam
+`ddtree.tree.tree_from_topk_torch` beyond it and on CPU).
 CUDA, batch-invariant mode off: the same MoE; tree attention `tree_attn_triton._tree_attn_kernel`
 (tiles tuned per call); linear / bmm_heads / rms_norm / row_sum in torch.
 """
@@ -173,6 +175,22 @@ def draft_topk(
     use = kernels is not None and kernels.supports(draft_logits, k)
     _note("draft_topk", "triton fused" if use else f"torch (k={k}, {draft_logits.dtype})")
     return kernels.draft_topk(draft_logits, k, floor) if use else None
+
+
+def tree_beam(
+    top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, ...] | None:
+    """The DDTree builder's second stage (tokens, parents, depths, visible, scores of the
+    `budget`-node tree from each depth's top-k) by the fused kernel (`tree_beam.tree_beam`: the
+    torch beam's tensors bit for bit on `top_draft_tokens`' outputs) where it serves these inputs
+    (CUDA, Triton imports, `supports`); None elsewhere, and the caller runs its torch beam
+    (`ddtree.tree`). Not tied to batch-invariant mode, like `draft_topk`."""
+    if top_lp.device.type != "cuda":
+        return None
+    kernels = _triton_module("tree_beam")
+    use = kernels is not None and kernels.supports(top_lp, top_tok, budget)
+    _note("tree_beam", "triton fused" if use else f"torch (budget={budget}, {top_lp.dtype})")
+    return kernels.tree_beam(top_lp, top_tok, budget) if use else None
 
 
 @functools.cache

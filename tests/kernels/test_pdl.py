@@ -22,7 +22,7 @@ from tests.triton_interp import require_triton
 
 PDL_MODULES = (
     "invariant", "fused", "router", "tree_attn_invariant", "moe_align", "moe_reduce", "moe_gluon",
-    "draft_topk",
+    "draft_topk", "tree_beam",
 )  # fmt: skip
 MEMORY_CALLS = {"load", "store", "async_copy", "async_copy_global_to_shared"} | {
     f"atomic_{op}" for op in ("add", "cas", "xchg", "max", "min", "and", "or", "xor")
