@@ -18,7 +18,8 @@ JSON per configuration: categories (us per step, kernels, floor us), the top ker
 layer, the graph's wall time and its gaps between kernels. --variants profiles each configuration
 under several kernel launch variants in one process (same weights, same inputs): "default"
 (programmatic dependent launch with its L2 prefetches), "no-<kernel>-prefetch" (matmul, router,
-attention), "no-prefetch" and "no-pdl".
+attention), "no-prefetch", "no-pdl" and "no-side-stream" (the MoE's shared expert on the main
+stream).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -48,9 +49,10 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from ddserve.kernels import backend, pdl  # noqa: E402
 
-# launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all
+# launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all;
+# the shared expert on the main stream (no side stream)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
-            "no-prefetch", "no-pdl")  # fmt: skip
+            "no-prefetch", "no-pdl", "no-side-stream")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -102,8 +104,9 @@ def category(path: str, mlp_kind: str | None, kernel: str) -> str:
 
 
 # Methods that launch a submodule's work outside that submodule's forward, annotated as it:
-# MLA's q_a_proj + kv_a_proj_with_mqa as one matmul on the CUDA invariant path.
-METHODS = {"_down_projections": "kv_a_proj_with_mqa"}
+# MLA's q_a_proj + kv_a_proj_with_mqa as one matmul on the CUDA invariant path; the MoE calls its
+# shared expert's gate/up + SiLU (`DenseMLP.activation`) and down_proj, not its forward.
+METHODS = {"_down_projections": "kv_a_proj_with_mqa", "activation": "activation"}
 
 
 @contextlib.contextmanager
@@ -308,6 +311,8 @@ def variant(runner, name: str):
     kernels, prefetch = runner.kernels, pdl.PREFETCH
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
+    elif name == "no-side-stream":
+        runner.kernels = dataclasses.replace(kernels, side_stream=False)
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch

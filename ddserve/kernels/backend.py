@@ -34,6 +34,9 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   tokens.
   Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
   from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).
+CUDA, either mode: the MoE's shared expert (gate/up matmul and SiLU) runs on a second stream
+beside the router and the routed experts (`side_branch`; `KernelConfig.side_stream`,
+DDSERVE_SIDE_STREAM=0 turns it off), joined before its down matmul.
 CUDA sm_90+: every Triton / Gluon kernel of those paths launches with programmatic dependent
 launch (`pdl.py`; `KernelConfig.pdl`, DDSERVE_PDL=0 turns it off), waiting on the device for its
 predecessor; the matmul, the router's gate and verify-call tree attention prefetch their first
@@ -232,6 +235,48 @@ def prefill_phase() -> Iterator[None]:
 
 def in_prefill_phase() -> bool:
     return _prefill
+
+
+# True while `side_branch`'s body issues its kernels: launches that keep per-stream scratch
+# (the split-K matmul's partials and tickets) take the side stream's own.
+_on_side = False
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def on_side_stream() -> bool:
+    return _on_side
+
+
+@contextlib.contextmanager
+def side_branch(x: torch.Tensor) -> Iterator[Callable[[], None]]:
+    """The body's kernels on x's device's second stream, concurrent with what the caller queues
+    next on its own: the side stream first waits for everything queued so far on the current
+    stream (x is ready). Yields `join`, which makes the current stream wait for the body's
+    work; call it before using any tensor the body made. Works under CUDA-graph capture (the
+    fork and the join become graph edges). Where the configuration runs no side stream (CPU,
+    `KernelConfig.side_stream` off) the body runs in place and `join` does nothing.
+
+    The body's tensors come from the side stream's pool; the caller uses them on its stream
+    only after `join` and drops them before the next `side_branch`, whose fork then orders the
+    side stream's reuse of their memory after those uses. Kernels do not change: the results
+    are bitwise those of running the body in place."""
+    global _on_side
+    if x.device.type != "cuda" or not _current.side_stream:
+        yield lambda: None
+        return
+    assert not _on_side, "side branches do not nest"
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)
+    _on_side = True
+    try:
+        with torch.cuda.stream(side):
+            yield lambda: main.wait_stream(side)
+    finally:
+        _on_side = False
 
 
 def device_type(t: torch.Tensor | torch.device) -> str:

@@ -15,6 +15,8 @@ ENV_OVERRIDES = {
     "DDSERVE_MOE_VARIANT": "moe_variant: v2 or v3 for every MoE call (no v3 -> v2 fallback)",
     "DDSERVE_PDL": "pdl: 0 launches every kernel in plain stream order (no programmatic "
     "dependent launch)",
+    "DDSERVE_SIDE_STREAM": "side_stream: 0 runs the shared expert on the main stream (no second "
+    "CUDA stream)",
 }
 OFF = ("0", "off", "false", "no")
 
@@ -29,6 +31,9 @@ class KernelConfig:
     # programmatic dependent launch on sm_90+ (pdl.py): a kernel starts while its predecessor
     # finishes; the arithmetic is the same either way
     pdl: bool = True
+    # the MoE's shared expert (gate/up and SiLU) on a second CUDA stream beside the router and
+    # the routed experts (`backend.side_branch`); the arithmetic is the same either way
+    side_stream: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_variant is not None and self.moe_variant not in MOE_VARIANTS:
@@ -45,4 +50,7 @@ class KernelConfig:
         leave open."""
         variant = moe_variant or env.get("DDSERVE_MOE_VARIANT") or None
         pdl = env.get("DDSERVE_PDL", "1").strip().lower() not in OFF
-        return cls(batch_invariant=bool(batch_invariant), moe_variant=variant, pdl=pdl)
+        side = env.get("DDSERVE_SIDE_STREAM", "1").strip().lower() not in OFF
+        return cls(
+            batch_invariant=bool(batch_invariant), moe_variant=variant, pdl=pdl, side_stream=side
+        )

@@ -13,8 +13,9 @@ that decides the arithmetic of a row independently of M:
   (`tl.atomic_add`, acq_rel); the program that draws ticket S - 1 reads the S partials back
   and adds them in split order 0..S-1 (not arrival order, so the bits do not depend on
   scheduling), rounds once, stores the output and resets the ticket to 0. Partials and tickets
-  live in a per-device scratch (`_Scratch`) shared by the calls of one stream; see it for the
-  CUDA-graph and multi-stream contract. `_launch(two_launch=True)` does the same sum in a second
+  live in a per-device scratch (`_Scratch`) shared by the calls of one stream (`scratch`: the
+  main stream's, or the side stream's inside `backend.side_branch`); see it for the CUDA-graph
+  and multi-stream contract. `_launch(two_launch=True)` does the same sum in a second
   launch (`_sum_splits_kernel`), for tests and benchmarks only. fp32 inputs (float32 models) use
   input_precision "tf32x3" (three tf32 MMAs, about fp32 accuracy), fixed by the configuration.
   M is `do_not_specialize`, so M = 1 or M % 16 == 0 compile the same kernel as every other M;
@@ -35,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.kernels import pdl
+from ddserve.kernels import backend, pdl
 from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
 from ddserve.kernels.pdl import _interpreting, prefetch_l2
 from ddserve.kernels.pdl import begin as pdl_begin
@@ -204,6 +205,14 @@ def _fresh(n: int, device) -> torch.Tensor:
 
 
 _SCRATCH: dict[torch.device, _Scratch] = {}
+_SIDE_SCRATCH: dict[torch.device, _Scratch] = {}  # calls inside `backend.side_branch`
+
+
+def scratch(device: torch.device) -> _Scratch:
+    """The split-K scratch of the stream being issued to: the main one, or the side stream's
+    while `backend.side_branch` runs (the two run concurrently, so they must not share)."""
+    table = _SIDE_SCRATCH if backend.on_side_stream() else _SCRATCH
+    return table.setdefault(device, _Scratch())
 
 
 def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -244,8 +253,9 @@ def _launch(
     part, tickets, part_stride = y, y, 0
     if split > 1:  # fp32 partials [split, numel rounded up to 16] (a stride divisible by 16)
         part_stride = triton.cdiv(y.numel(), 16) * 16
-        scratch = _SCRATCH.setdefault(y.device, _Scratch())
-        part, tickets = scratch.take(split * part_stride, grid[0] * grid[1] * heads, y.device)
+        part, tickets = scratch(y.device).take(
+            split * part_stride, grid[0] * grid[1] * heads, y.device
+        )
     launch = pdl.launch_options(x.device)
     pf_step = 128 // w.element_size()  # elements per 128-byte line
     pf_lines = 0

@@ -6,7 +6,8 @@ is the sum of its top-2 biased scores), and *weighted* by the unbiased scores, n
 `norm_topk_prob`, times `routed_scaling_factor`. Routed experts run through `backend.moe`, or,
 for a few tokens on the GPU, `backend.moe_pairs`, whose per-expert outputs the shared expert's
 down matmul sums in its epilogue; shared experts are added unscaled; one all-reduce sums the
-per-rank partials of both.
+per-rank partials of both. On CUDA the shared expert's gate/up and SiLU run on a second stream
+beside the router and the routed experts (`backend.side_branch`), joined before its down matmul.
 """
 
 from __future__ import annotations
@@ -65,14 +66,17 @@ class DenseMLP(nn.Module):
     ) -> torch.Tensor:
         """[T, D] -> [T, D]; plus `add` in the down projection's launch (reduce=False only;
         `add_topk` as `backend.linear` takes it)."""
+        return self.down_proj(self.activation(x), add=add, add_topk=add_topk)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): [T, D] -> [T, I_local], the down projection's input."""
         merged = None
         if backend.batch_invariant() and x.device.type == "cuda":
             merged = self.gate_up_weight()
         if merged is None:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
-        else:  # one matmul, then silu(gate) * up in one launch (bitwise the torch ops)
-            h = backend.silu_mul(backend.linear(x, merged))  # [T, 2 I_local] -> [T, I_local]
-        return self.down_proj(h, add=add, add_topk=add_topk)
+            return F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
+        # one matmul, then silu(gate) * up in one launch (bitwise the torch ops)
+        return backend.silu_mul(backend.linear(x, merged))  # [T, 2 I_local] -> [T, I_local]
 
 
 class Router(nn.Module):
@@ -259,16 +263,22 @@ class MoE(nn.Module):
             self.shared_experts = DenseMLP(d, inter, comm, dtype, device, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D] (all-reduced)
+        shared = self.shared_experts
+        h, join = None, None
+        if shared is not None:  # its gate/up beside the router and routed experts (CUDA)
+            with backend.side_branch(x) as join:
+                h = shared.activation(x)  # [T, I_local]
         ids, weights = self.gate(x)
         if self.route_hook is not None:
             self.route_hook(ids)
         experts = self.experts.weights()
-        shared = self.shared_experts
         pairs = None if shared is None else backend.moe_pairs(x, ids, weights, experts)
         if pairs is not None:  # [T * k, D] fp32: their top-k sum + shared in the down matmul
-            y = shared(x, add=pairs, add_topk=ids.shape[1])
+            join()
+            y = shared.down_proj(h, add=pairs, add_topk=ids.shape[1])
         else:
             y = backend.moe(backend.device_type(x))(x, ids, weights, experts)  # [T, D] partial
             if shared is not None:  # routed + shared, added in the down matmul
-                y = shared(x, add=y)
+                join()
+                y = shared.down_proj(h, add=y)
         return reduce_partials(self.comm, y)

@@ -95,6 +95,28 @@ def test_kernel_config_takes_arguments_then_the_environment():
         KernelConfig.resolve(True, env={"DDSERVE_MOE_VARIANT": "v1"})
 
 
+def test_side_stream_is_on_unless_the_environment_turns_it_off():
+    from ddserve.kernels.config import KernelConfig
+
+    assert KernelConfig.resolve(True, env={}).side_stream
+    for off in ("0", "off", "False"):
+        assert not KernelConfig.resolve(True, env={"DDSERVE_SIDE_STREAM": off}).side_stream
+
+
+def test_side_branch_on_the_cpu_runs_its_body_in_place():
+    from ddserve.kernels import backend
+
+    x = torch.ones(3)
+    before = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    with backend.side_branch(x) as join:
+        assert not backend.on_side_stream()
+        y = x * 2
+    join()
+    assert torch.equal(y, torch.full((3,), 2.0))
+    if before is not None:
+        assert torch.cuda.current_stream() == before
+
+
 @pytest.fixture
 def moe(monkeypatch):
     """`moe_triton` with v3 chosen by default and both variants stubbed (v2 returns ones)."""
