@@ -9,6 +9,9 @@ important variants first, within --budget seconds; `moe_ref` (the plain torch pa
 two sizes at the end.
 
     cd bench && python3 bench_moe.py --variants --out $OUT/moe.json
+
+SiLU-and-mul in the up launch vs its own launch (v3's FUSED_SILU, the same bits either way):
+    cd bench && python3 bench_moe.py --only v3-silu-fused,v3-silu-2launch --breakdown
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ V2 = {"variant": "v2"}
 V3 = {"variant": "v3"}
 VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwise the same bits)
     ("v3", V3, True),
+    ("v3-silu-fused", {**V3, "FUSED_SILU": True}, True),  # one launch fewer (same bits)
+    ("v3-silu-2launch", {**V3, "FUSED_SILU": False}, True),
     ("v3-depth2", {**V3, "DEPTH": 2}, True),  # two weight steps in flight (same bits)
     ("v3-bm8", {**V3, "BM": 8}, True),
     ("v3-bm16", {**V3, "BM": 16}, True),

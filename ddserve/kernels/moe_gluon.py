@@ -14,13 +14,24 @@ tokens (the MMA's N side, mma.sync m16n8k16). Within a step the reduction visits
 permuted order (`moe_w4_repack.PHYS`) that is the same for every call: results depend on nothing
 but the token's own row (batch invariant), and differ from the v2 kernels within rounding.
 
-One kernel serves both projections:
+One program body (`_tiles`) serves both projections:
 - up:   x rows gathered by token (pairs // TOPK); K = hidden split into SPLIT equal ranges, each
-        program one n-tile and one range; fp32 partials part[s, row, n] (`moe_reduce._silu_kernel`
-        sums the splits in order and applies SiLU-and-mul).
+        program one n-tile and one range; fp32 partials part[s, row, n]. `_w4_gemm_kernel`
+        stops there (`moe_reduce._silu_kernel` sums the splits in order and applies SiLU-and-mul
+        in a second launch); `_w4_up_silu_kernel` does that sum itself (`_silu_unit`).
 - down: x = h (rows of the block); each program NT consecutive n-tiles over all of K;
         y[pair, n] = topk weight * acc in fp32 (`moe_reduce._combine_kernel` sums slots in order).
 Weights are streamed with DEPTH steps of register prefetch.
+
+SiLU-and-mul in the up launch (`_w4_up_silu_kernel`): h[:, c] needs the gate column c and the up
+column I + c of all SPLIT ranges. With I a multiple of BN, n-tile j < I / BN holds gate columns
+and n-tile j + I / BN the matching up columns, so the unit (block, j) is complete after exactly
+2 SPLIT programs: (block, s, j) and (block, s, j + I / BN) for s < SPLIT. Each of them stores
+its partial, then takes an int32 ticket for the unit (atomic add, acq_rel, gpu scope); the one
+that draws ticket 2 SPLIT - 1 reads the unit's 2 SPLIT partial tiles back from L2 (.cg), sums
+them in split order and applies `_silu_kernel`'s formula (the same operations on the same
+values: the same bits), stores h in bf16 and resets the ticket to 0 for the next launch or
+graph replay (the caller's tickets are all 0 between launches, `moe_v3._Tickets`).
 """
 
 from __future__ import annotations
@@ -105,6 +116,24 @@ def _x_tile(x_ptr, x_off, x_ok, kb, b_layout: gl.constexpr, BM: gl.constexpr):
     return gl.convert_layout(x, b_layout, assert_trivial=True)
 
 
+@gluon.jit
+def pdl_begin(PDL: gl.constexpr):
+    """`pdl.begin` in Gluon: wait for the previous kernel, then let the next one be scheduled."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _program_ids(num_mblocks, SPLIT: gl.constexpr):
+    """(block, K range, first n-tile) of this program: blocks fastest, then ranges."""
+    pid = gl.program_id(0)
+    rest = pid // num_mblocks
+    return pid % num_mblocks, rest % SPLIT, rest // SPLIT
+
+
 @gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
 def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, tw_ptr,
@@ -114,11 +143,81 @@ def _w4_gemm_kernel(
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
     SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    if PDL:  # `pdl.begin`: wait for the previous kernel, then let the next one be scheduled
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    pdl_begin(PDL)
+    pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
+    e = gl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
+           K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK, GATHER, W, NREP,
+           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH)  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
+def _w4_up_silu_kernel(
+    x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, bexp_ptr, h_ptr, ticket_ptr,
+    num_pairs, num_experts, num_mblocks, N, K,
+    stride_x, stride_ps, stride_pr, stride_h, expert_words, expert_scales,
+    TOPK: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
+    KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, SPLIT: gl.constexpr, DEPTH: gl.constexpr,
+    PDL: gl.constexpr,
+):  # fmt: skip
+    """The up projection (N = 2 I, I a multiple of BN) into part[SPLIT, rows, N] fp32, then
+    h[rows, I] = silu(gate) * up in bf16 by the last program of each (block, gate n-tile) unit;
+    ticket[block * I / BN + j] counts the unit's arrivals (0 before and after the launch)."""
+    pdl_begin(PDL)
+    pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
+    e = gl.load(bexp_ptr + pid_m)
+    if e >= num_experts:
+        return
+    # (tw_ptr = part_ptr: the up projection does not read top-k weights)
+    _tiles(x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, part_ptr, e, pid_m, pid_s, pid_n, num_pairs,
+           N, K, stride_x, stride_ps, stride_pr, expert_words, expert_scales, TOPK, True, W, NREP,
+           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH)  # fmt: skip
+    BN: gl.constexpr = 16 * W * NREP
+    units = N // (2 * BN)  # gate n-tiles per block (the host checks I % BN == 0)
+    unit = pid_m * units + pid_n % units
+    gl.thread_barrier()  # every thread's partial stored before the ticket is taken
+    ticket = gl.atomic_add(ticket_ptr + unit, 1, sem="acq_rel")  # arrivals before this one
+    if ticket == 2 * SPLIT - 1:  # the unit's other programs have stored theirs
+        _silu_unit(part_ptr, h_ptr, pairs_ptr, pid_m, pid_n % units, num_pairs, N // 2,
+                   stride_ps, stride_pr, stride_h, W, BM, BN, SPLIT)  # fmt: skip
+        gl.store(ticket_ptr + unit, 0)  # clean for the next launch (or graph replay)
+
+
+@gluon.jit
+def _silu_unit(part_ptr, h_ptr, pairs_ptr, pid_m, j, num_pairs, inter, stride_ps, stride_pr,
+               stride_h, W: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+               SPLIT: gl.constexpr):  # fmt: skip
+    """h[row, j BN + c] = silu(g) * u for the block's rows that hold a pair and c < BN, g and u
+    the sums of part[s, row, j BN + c] and part[s, row, I + j BN + c] over s = 0 .. SPLIT-1 in
+    that order, read from L2: `moe_reduce._silu_kernel`'s operations (zeros plus each split,
+    then g / (1 + exp(-g)) * u, rounded once to bf16). Padding rows are neither read nor
+    written (their partials were never stored; the down projection masks them out)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])  # 4 columns a thread
+    rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, lay))  # [BM]
+    ok = gl.expand_dims(gl.load(pairs_ptr + rows) < num_pairs, 1)  # [BM, 1] rows with a pair
+    c = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, lay))  # [BN]
+    rows = rows.to(gl.int64)
+    p = part_ptr + gl.expand_dims(rows * stride_pr, 1) + gl.expand_dims(c, 0)  # [BM, BN]
+    g = gl.zeros([BM, BN], gl.float32, layout=lay)
+    u = gl.zeros([BM, BN], gl.float32, layout=lay)
+    for s in gl.static_range(SPLIT):  # fixed order
+        g += gl.load(p + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
+        u += gl.load(p + s * stride_ps + inter, mask=ok, other=0.0, cache_modifier=".cg")
+    h = g / (1.0 + gl.exp(-g)) * u
+    out = h_ptr + gl.expand_dims(rows * stride_h, 1) + gl.expand_dims(c, 0)  # [BM, BN]
+    gl.store(out, h.to(gl.bfloat16), mask=ok)
+
+
+@gluon.jit
+def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
+           K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK: gl.constexpr,
+           GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
+           KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr, DOWN: gl.constexpr,
+           DEPTH: gl.constexpr):  # fmt: skip
+    """One program's work: block pid_m (expert e), K range pid_s, n-tiles pid_n NT .. + NT - 1,
+    each stored as it completes (`_store`)."""
     BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
     R: gl.constexpr = NREP * KC  # words per thread per step
@@ -132,14 +231,6 @@ def _w4_gemm_kernel(
     s_l: gl.constexpr = gl.BlockedLayout([2 * NREP], [32], [W], [0])
     x_l: gl.constexpr = _x_layout(W, BM)
 
-    pid = gl.program_id(0)
-    pid_m = pid % num_mblocks
-    rest = pid // num_mblocks
-    pid_s = rest % SPLIT
-    pid_n = rest // SPLIT
-    e = gl.load(bexp_ptr + pid_m)
-    if e >= num_experts:
-        return
     # x rows of this block (token gather for the up projection, block rows for the down)
     m = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
     col = gl.arange(0, BK, layout=gl.SliceLayout(0, x_l))

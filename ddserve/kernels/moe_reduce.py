@@ -4,6 +4,8 @@ fixed by the layer's shapes, never by scheduling (no atomics).
 
 - `_silu_kernel`: the up-projection's split-K partials [SPLIT, rows, 2 I] fp32 summed in split
   order, then silu(gate) * up, written as the down-projection's bf16 input h [rows, I].
+  (`moe_gluon._silu_unit` is the same computation inside v3's up launch, with FUSED_SILU; the
+  two must keep the same operations in the same order.)
 - `_combine_kernel`: a token's k expert outputs (one fp32 row per (token, slot) pair, already
   weighted) summed in slot order j = 0 .. k-1, cast to the output dtype.
 """

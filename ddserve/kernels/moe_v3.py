@@ -3,10 +3,17 @@
 Same contract as `moe_ref` / `fused_moe_v2`, INT4 weights with bf16 scales on CUDA only (mma.sync:
 sm_80+, run on sm_90 only; Gluon kernels do not run in the Triton interpreter). Batch invariant
 by construction: every sum runs in an order fixed by the weight shapes (128-column K steps, then
-the SPLIT partials in `_silu_kernel`, then the top-k slots in `_combine_kernel`, or in the
-caller's `invariant.linear(..., add_topk=k)` epilogue with combine=False), no atomics; the tiles
-picked per call (BM, NT) and the block order (expert order from the alignment, slot order for one
-token, which needs no alignment) only change which threads compute which outputs.
+the SPLIT partials in split order, then the top-k slots in `_combine_kernel`, or in the caller's
+`invariant.linear(..., add_topk=k)` epilogue with combine=False); the tiles picked per call (BM,
+NT) and the block order (expert order from the alignment, slot order for one token, which needs
+no alignment) only change which threads compute which outputs.
+
+Launches: up GEMM, SiLU-and-mul, down GEMM, combine. FUSED_SILU folds the SiLU-and-mul into the
+up GEMM's launch (`moe_gluon._w4_up_silu_kernel`: the last of a unit's programs, counted by an
+int32 ticket, sums the partials and writes h); it gives the bits of the separate
+`moe_reduce._silu_kernel` launch (the same operations in the same order), and needs the
+intermediate size to be a multiple of the up tile's rows (`fuses_silu`; else the two launches).
+The tickets (`_Tickets`) are the only atomics and decide nothing but which program sums.
 
 The repacked weights are made on first use (`prepare`): written over the original tensors when
 their owner allows it (the model's experts: `ExpertWeights.repack_in_place`), else a cached copy
@@ -39,8 +46,9 @@ from ddserve.kernels.moe_w4_repack import (
 # they depend on the weight shapes only. The other keys only say which threads compute what (the
 # mma.sync of a token's column does not see the other columns), so "auto" picks them per call:
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
-# W and NREP set the repacked layout (one stream per weights). The bench overrides any key.
-CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1)
+# W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
+# up GEMM's launch instead of a launch of its own (same bits). The bench overrides any key.
+CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, FUSED_SILU=True)
 log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
@@ -123,7 +131,9 @@ def _config(overrides: dict | None) -> dict:
     if unknown:
         raise ValueError(f"MoE v3 config: unknown keys {sorted(unknown)} (known: {sorted(CONFIG)})")
     cfg = dict(CONFIG, **(overrides or {}))
-    allowed = dict(W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2))
+    allowed = dict(
+        W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2), FUSED_SILU=(False, True)
+    )
     for key, values in allowed.items():
         if cfg[key] not in values:
             raise ValueError(f"MoE v3 config: {key}={cfg[key]!r}, expected one of {values}")
@@ -179,6 +189,72 @@ def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
     return 1
 
 
+def fuses_silu(cfg: dict, inter: int, up_tile_rows: int) -> bool:
+    """Whether the up GEMM's launch also applies SiLU-and-mul: asked for (FUSED_SILU) and every
+    up n-tile holds gate columns only or up columns only (I a multiple of the tile's rows), so a
+    (block, gate tile) unit is complete after 2 SPLIT programs."""
+    return bool(cfg["FUSED_SILU"]) and inter % up_tile_rows == 0
+
+
+class _Tickets:
+    """One device's int32 arrival counters for `_w4_up_silu_kernel`, all 0 between launches (each
+    launch's last program per unit resets its own).
+
+    Captured CUDA graphs keep the addresses they were captured with, so a buffer is never freed
+    once handed out: growing (outside capture only) retires the old one into `retired`; a capture
+    that outgrows it gets its own, zeroed by a memset that every replay runs first. Calls on one
+    stream are ordered, so graphs and eager calls share the buffer; two MoE calls running
+    concurrently on different streams of one device must not (their counts would mix)."""
+
+    def __init__(self) -> None:
+        self.live: torch.Tensor | None = None
+        self.retired: list[torch.Tensor] = []
+
+    def take(self, n: int, device: torch.device) -> torch.Tensor:
+        """At least n zeros (K2.6 at tp = 8 with the default tiles needs at most 1360 blocks x 2
+        units = 2720 at CHUNK tokens: the first buffer's 4096)."""
+        if self.live is not None and self.live.numel() >= n:
+            return self.live
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            own = torch.zeros(n, dtype=torch.int32, device=device)
+            self.retired.append(own)
+            return own
+        if self.live is not None:
+            self.retired.append(self.live)
+        size = max(n, 4096, 2 * (0 if self.live is None else self.live.numel()))
+        self.live = torch.zeros(size, dtype=torch.int32, device=device)
+        return self.live
+
+
+_TICKETS: dict[torch.device, _Tickets] = {}
+
+
+def _record(name: str, k, grid: int, warps: int, **info) -> None:
+    LAST_LAUNCH[name] = dict(programs=grid, warps=warps, n_regs=getattr(k, "n_regs", None),
+                             n_spills=getattr(k, "n_spills", None), **info)  # fmt: skip
+
+
+def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cfg: dict, *,
+             split: int, topk: int, launch: dict) -> object:  # fmt: skip
+    """part = the up GEMM's split partials, h = silu(gate) * up (bf16), in one launch."""
+    from ddserve.kernels.moe_gluon import _w4_up_silu_kernel
+
+    ks = w13.k_steps
+    grid = nb * split * w13.n_tiles
+    units = nb * (w13.n // 2) // w13.bn  # (block, gate n-tile)
+    tickets = _TICKETS.setdefault(x.device, _Tickets()).take(units, x.device)
+    k = _w4_up_silu_kernel[(grid,)](
+        x, w13.words, w13.scales, part, pairs, bexp, h, tickets,
+        num_pairs, w13.words.shape[0], nb, w13.n, w13.k,
+        x.stride(0), part.stride(0), part.stride(1), h.stride(0), w13.words.stride(0),
+        w13.scales.stride(0),
+        TOPK=topk, W=w13.w, NREP=w13.nrep, BM=cfg["BM"], KS_TOTAL=ks, KSTEPS=ks // split,
+        SPLIT=split, DEPTH=cfg["DEPTH"], num_warps=w13.w, **launch,
+    )  # fmt: skip
+    _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True)
+    return k
+
+
 def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cfg: dict, *,
           split: int, nt: int, gather: bool, down: bool, topk: int,
           launch: dict) -> object:  # fmt: skip
@@ -196,10 +272,8 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"], num_warps=stream.w,
         **launch,
     )  # fmt: skip
-    LAST_LAUNCH["down" if down else "up"] = dict(
-        programs=grid, warps=stream.w, n_regs=getattr(k, "n_regs", None),
-        n_spills=getattr(k, "n_spills", None), split=split, nt=nt,
-    )  # fmt: skip
+    _record("down" if down else "up", k, grid, stream.w, split=split, nt=nt,
+            **({} if down else dict(fused_silu=False)))  # fmt: skip
     return k
 
 
@@ -213,11 +287,12 @@ def fused_moe_v3(
     invariant: bool = True,  # always: the config is fixed
     combine: bool = True,
 ) -> torch.Tensor:  # [T, H] in x.dtype, or [T * k, H] fp32 with combine=False
-    """`moe_ref`'s contract with the Gluon kernel (INT4, bf16 scales, CUDA). combine=False:
-    the [T * k, H] fp32 weighted output of every (token, slot) pair instead (pair t * k + j),
-    which `_combine_kernel` would sum in slot order; the caller folds that sum into a later
-    launch (`invariant.linear(..., add_topk=k)`). Up to CHUNK tokens only (the per-pair buffer
-    is what CHUNK bounds)."""
+    """`moe_ref`'s contract with the Gluon kernel (INT4, bf16 scales, CUDA). Launches, after the
+    alignment (T > 1): up GEMM, SiLU-and-mul (in the up GEMM's launch when `fuses_silu`), down
+    GEMM, combine. combine=False: no combine launch; the [T * k, H] fp32 weighted output of
+    every (token, slot) pair instead (pair t * k + j), which `_combine_kernel` would sum in slot
+    order; the caller folds that sum into a later launch (`invariant.linear(..., add_topk=k)`).
+    Up to CHUNK tokens only (the per-pair buffer is what CHUNK bounds)."""
     if not combine and x.shape[0] > CHUNK:
         raise ValueError(f"MoE v3: combine=False takes at most {CHUNK} tokens, got {x.shape[0]}")
     if x.device.type != "cuda":
@@ -251,15 +326,19 @@ def fused_moe_v3(
     dev = x.device
     launch = pdl.launch_options(dev)
     split = _largest_divisor(w13.k_steps, cfg["SPLIT"])
-    part = torch.empty(split, nb * bm, 2 * inter, dtype=torch.float32, device=dev)
+    part = torch.empty(split, nb * bm, 2 * inter, dtype=torch.float32, device=dev)  # [S, rows, 2I]
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [P]
-    _gemm(xin, w13, part, sorted_pairs, block_expert, tw, p, nb, cfg, split=split, nt=1,
-          gather=True, down=False, topk=topk, launch=launch)  # fmt: skip
     h = torch.empty(nb * bm, inter, dtype=torch.bfloat16, device=dev)  # [rows, I]
-    _silu_kernel[(nb, triton.cdiv(inter, 64))](
-        part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1), h.stride(0),
-        SPLIT=split, BM=bm, BC=64, **launch,
-    )  # fmt: skip
+    if fuses_silu(cfg, inter, w13.bn):
+        _up_silu(xin, w13, part, h, sorted_pairs, block_expert, p, nb, cfg, split=split,
+                 topk=topk, launch=launch)  # fmt: skip
+    else:
+        _gemm(xin, w13, part, sorted_pairs, block_expert, tw, p, nb, cfg, split=split, nt=1,
+              gather=True, down=False, topk=topk, launch=launch)  # fmt: skip
+        _silu_kernel[(nb, triton.cdiv(inter, 64))](
+            part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1),
+            h.stride(0), SPLIT=split, BM=bm, BC=64, **launch,
+        )  # fmt: skip
     y = torch.empty(p, hidden, dtype=torch.float32, device=dev)  # [P, H] weighted, per pair
     if cfg["NT"] == "auto":
         nt = pick_nt(w2.n_tiles, nb, num_sms(dev))

@@ -1,6 +1,7 @@
 """MoE v3 (Gluon, `kernels/moe_v3.py`) beyond the shared paths of `test_moe_triton.py`: thread
-layouts give the same bits, it is the default, the model's experts are rewritten in place, and
-calls past the 1024-token chunk (CUDA only)."""
+layouts give the same bits, it is the default, the model's experts are rewritten in place, calls
+past the 1024-token chunk, and SiLU-and-mul in the up launch (FUSED_SILU) gives the two-launch
+bits, eager and in replayed CUDA graphs (CUDA only)."""
 
 from __future__ import annotations
 
@@ -181,3 +182,114 @@ def test_one_token_without_alignment_equals_its_row_in_a_batch():
         assert torch.equal(one, five[t : t + 1]), t
         if t >= 3:
             assert torch.equal(one, two[t - 3 : t - 2]), t
+
+
+FUSED = dict(FUSED_SILU=True)
+TWO_LAUNCH = dict(FUSED_SILU=False)
+FUSED_TOKENS = [1, 2, 10, 17, 170]
+
+
+@pytest.fixture(scope="module")
+def k26():
+    """K2.6 rank experts, made (and repacked for v3) once for the fused-SiLU tests."""
+    return k26_experts()
+
+
+def _routed(t: int, gen: torch.Generator):
+    x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
+    return (x, *random_routing(t, 384, 8, gen))
+
+
+def _assert_tickets_clean() -> None:
+    from ddserve.kernels import moe_v3
+
+    for tickets in moe_v3._TICKETS.values():
+        for buf in (tickets.live, *tickets.retired):
+            assert buf is None or not bool(buf.any()), "a ticket was left non-zero"
+
+
+@pytest.mark.parametrize("t", FUSED_TOKENS)
+def test_fused_silu_is_bitwise_the_two_launch_path(k26, t):
+    """FUSED_SILU (SiLU-and-mul by the last program of each unit of the up launch) gives the
+    two-launch path's bits: the MoE output and, with combine=False, every pair's output (K2.6
+    rank shapes, eager). Every ticket is back to 0 afterwards."""
+    from ddserve.kernels import moe_v3
+    from ddserve.kernels.moe_v3 import fused_moe_v3
+
+    x, ids, tw = _routed(t, torch.Generator().manual_seed(300 + t))
+    for combine in (True, False):
+        two = fused_moe_v3(x, ids, tw, k26, config=TWO_LAUNCH, combine=combine)
+        assert moe_v3.LAST_LAUNCH["up"]["fused_silu"] is False
+        fused = fused_moe_v3(x, ids, tw, k26, config=FUSED, combine=combine)
+        assert moe_v3.LAST_LAUNCH["up"]["fused_silu"] is True
+        diff = (fused.float() - two.float()).abs().max().item()
+        print(f"T={t} combine={combine}: equal {torch.equal(fused, two)} max diff {diff:.3e}")
+        assert torch.equal(fused, two), (t, combine)
+        again = fused_moe_v3(x, ids, tw, k26, config=FUSED, combine=combine)
+        assert torch.equal(again, fused), (t, combine)
+    torch.cuda.synchronize()
+    _assert_tickets_clean()
+
+
+def test_fused_silu_is_bitwise_the_two_launch_path_for_every_tile_config(k26):
+    """Other tiles change the unit size (BN = 16 W NREP: 64, 128, 256 columns), the rows per
+    unit (BM) and the arrivals per unit (2 SPLIT); at each, fused and two-launch agree bitwise
+    (T = 48, K2.6 shapes; SPLIT 8 and 2 give other sums than the default, at both)."""
+    from ddserve.kernels import moe_v3
+    from ddserve.kernels.moe_v3 import fused_moe_v3
+
+    x, ids, tw = _routed(48, torch.Generator().manual_seed(31))
+    configs = [dict(BM=8), dict(BM=16), dict(BM=32), dict(DEPTH=2), dict(NREP=1),
+               dict(NREP=4), dict(W=8, NREP=1), dict(SPLIT=8), dict(SPLIT=2)]  # fmt: skip
+    bad = []
+    for c in configs:
+        two = fused_moe_v3(x, ids, tw, k26, config={**c, **TWO_LAUNCH})
+        fused = fused_moe_v3(x, ids, tw, k26, config={**c, **FUSED})
+        assert moe_v3.LAST_LAUNCH["up"]["fused_silu"] is True, c
+        print(f"{c}: equal {torch.equal(fused, two)} launch {moe_v3.LAST_LAUNCH['up']}")
+        if not torch.equal(fused, two):
+            bad.append(str(c))
+    assert not bad, bad
+    torch.cuda.synchronize()
+    _assert_tickets_clean()
+
+
+@pytest.mark.parametrize("t", FUSED_TOKENS)
+def test_fused_silu_in_a_cuda_graph_replays_bitwise(k26, t):
+    """A captured step of two fused MoE calls (pair outputs, then the combined output: two up
+    launches sharing the tickets back to back, as consecutive layers do), replayed twice on
+    new inputs: each replay equals the eager two-launch path on those inputs, and an eager
+    fused call between the replays (the same tickets outside the graph) does too."""
+    from ddserve.kernels.moe_v3 import fused_moe_v3
+
+    gen = torch.Generator().manual_seed(400 + t)
+    x, ids, tw = _routed(t, gen)
+
+    def step():
+        pairs = fused_moe_v3(x, ids, tw, k26, config=FUSED, combine=False)
+        return pairs, fused_moe_v3(x, ids, tw, k26, config=FUSED)
+
+    side = torch.cuda.Stream()  # warm-up outside the capture (one-token blocks, tickets)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pairs, out = step()
+    for replay in range(2):
+        new_x, new_ids, new_tw = _routed(t, gen)
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        graph.replay()
+        want_pairs = fused_moe_v3(new_x, new_ids, new_tw, k26, config=TWO_LAUNCH, combine=False)
+        want = fused_moe_v3(new_x, new_ids, new_tw, k26, config=TWO_LAUNCH)
+        eager = fused_moe_v3(new_x, new_ids, new_tw, k26, config=FUSED)
+        torch.cuda.synchronize()
+        same = [torch.equal(pairs, want_pairs), torch.equal(out, want), torch.equal(eager, want)]
+        print(f"T={t} replay {replay}: pairs, output, eager fused equal {same}")
+        assert torch.equal(pairs, want_pairs), (t, replay)
+        assert torch.equal(out, want), (t, replay)
+        assert torch.equal(eager, want), (t, replay)
+    _assert_tickets_clean()
