@@ -28,7 +28,8 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
   kernel `moe_gluon`, experts repacked in place by `moe_w4_repack`, expert alignment
   `moe_align.align_by_expert_triton` (its torch version past 8192 pairs; none for one token),
-  fixed-order sums in `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from
+  SiLU-and-mul in the up GEMM's launch (`moe_gluon._w4_up_silu_kernel`), fixed-order sums in
+  `moe_reduce`); if v3 fails on its first call (compile or launch), v2 from
   then on. `moe_pairs`: v3 without its top-k combine, which the shared expert's down matmul
   then does in its epilogue (`linear(..., add_topk=k)`), up to `moe_triton.PAIRS_MAX_TOKENS`
   tokens.
