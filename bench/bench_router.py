@@ -2,13 +2,9 @@
 
 Variants (each captured in a CUDA graph per (shape, T) and its replay timed with triton's do_bench:
 median, L2 flushed between calls, so the fp32 gate streams from HBM as in a real forward):
-- "fused": `router.route` with `router_config(E, D)`: one launch up to `ONE_LAUNCH_MAX_T` tokens
-  (the select in each token tile's last gate program), else two (the gate GEMV partials, then
-  per-token selection). With --sweep also "fused:BTxBExBKxU/S/W[:mma]": other tiles, splits,
-  warps, and the tensor-core (tf32x3) form of the gate GEMV. With --launches "fused:one" and
-  "fused:two": `route(one_launch=True / False)` at every T (T in 1, 2, 4, 10, 17, 170), to
-  place `ONE_LAUNCH_MAX_T`; per T the one-launch time minus the two-launch time is printed, and
-  the T at which the two differ in any bit are recorded (must be []).
+- "fused": `router.route` (two launches: the gate GEMV partials, then per-token selection) with
+  `router_config(E, D)`. With --sweep also "fused:BTxBExBKxU/S/W[:mma]": other tiles, splits,
+  warps, and the tensor-core (tf32x3) form of the gate GEMV.
 - "...:bf16": the same kernel reading the gate as bf16 (bf16 tensor-core products; what the
   model's Router passes when its gate holds bf16 values, as checkpoints store it). The gate's
   values are bf16 in every variant, so all of them route the same inputs.
@@ -24,10 +20,8 @@ invariance: must be []); for torch_invariant how many of 170 tokens' ids differ 
 
     python3 bench/bench_router.py --out $OUT/router.json          # < 60 s on an H200
     python3 bench/bench_router.py --sweep --out $OUT/router.json  # + configuration sweep
-    python3 bench/bench_router.py --launches --out $OUT/router_launches.json  # one vs two
     python3 bench/bench_router.py --smoke --out /tmp/router.json  # CPU, interpreter, tiny shapes
     python3 bench/bench_router.py --aot    # offline sm_90a compile: registers, spills (no GPU)
-                                           # (the gate kernels, then the one-launch kernel)
 """
 
 from __future__ import annotations
@@ -46,7 +40,6 @@ SMOKE_SHAPES = {
     "smoke grouped": (42, 100, 5, 6, 3, True, 1.5),
 }
 T_LIST = [1, 5, 10, 17, 85, 170]
-T_LIST_LAUNCHES = [1, 2, 4, 10, 17, 170]
 SWEEP = [  # (block_t, block_e, block_k, unroll, split or 0 for router_config's, warps, mma)
     (16, 8, 64, 4, 14, 4, False),
     (16, 8, 64, 2, 0, 4, False),
@@ -109,14 +102,8 @@ def variants(args, e: int, d: int) -> dict:
             x, w, b, p, linear=F.linear, row_sum=lambda v: v.sum(-1, keepdim=True)
         ),
     }
-    gates = [""] if args.smoke else ["", ":bf16"]  # the interpreter's dot mis-reads bf16 operands
-    if not args.smoke:  # (the tests patch it)
+    if not args.smoke:  # the interpreter's dot mis-reads bf16 operands (the tests patch it)
         out["fused:bf16"] = lambda x, w, b, p: router.route(x, w, b, p)
-    for gate in gates if args.launches else []:
-        for name, one in (("one", True), ("two", False)):
-            out[f"fused:{name}{gate}"] = lambda x, w, b, p, one=one: router.route(
-                x, w, b, p, one_launch=one
-            )
     sweep = [(c, "") for c in SWEEP] + [(c, ":bf16") for c in SWEEP_BF16]
     for (bt, be, bk, u, s, wp, mma), gate in sweep if args.sweep else []:
         split = s or router.router_config(e, d).split
@@ -153,15 +140,11 @@ def run_shape(args, spec, dev: str) -> dict:
                     x[:t], w, b, p), (full[0][:t], full[1][:t])))]  # fmt: skip
             for t in T_LIST:
                 xt = x[:t].contiguous()
-                us = 1e3 * time_ms(lambda xt=xt, fn=fn, w=w: fn(xt, w, b, p), graph=dev == "cuda")
+                us = 1e3 * time_ms(lambda xt=xt, fn=fn: fn(xt, w, b, p), graph=dev == "cuda")
                 res["us"][t] = round(us, 2)
                 res["GBps"][t] = round(nbytes / us / 1e3, 1)
             if dev == "cuda":
-                res["kernels_per_call_t1"] = kernels_per_call(lambda fn=fn, w=w: fn(x[:1], w, b, p))
-            if name.startswith("fused:one"):  # the same bits as two launches, at every T
-                res["differing_from_two_launches_t"] = [t for t in T_LIST if not all(map(
-                    torch.equal, fn(x[:t], w, b, p), router.route(x[:t], w, b, p,
-                                                                  one_launch=False)))]  # fmt: skip
+                res["kernels_per_call_t1"] = kernels_per_call(lambda fn=fn: fn(x[:1], w, b, p))
             if name in ("torch_invariant", "fused:bf16"):
                 ids = fn(x, w, b, p)[0]
                 res["tokens_with_other_ids_than_fused"] = int((ids != fused_full[0]).any(-1).sum())
@@ -170,20 +153,12 @@ def run_shape(args, spec, dev: str) -> dict:
         rec["variants"][name] = res
         shown = res.get("error") or " ".join(f"{t}:{us:.1f}" for t, us in res["us"].items())
         print(f"  {name:28s} us by T  {shown}", flush=True)
-    for gate in ("", ":bf16") if args.launches else ():
-        one, two = (rec["variants"].get(f"fused:{n}{gate}", {}).get("us") for n in ("one", "two"))
-        if one and two:
-            diff = " ".join(f"{t}:{one[t] - two[t]:+.1f}" for t in T_LIST)
-            print(f"  {'one - two launches' + gate:28s} us by T  {diff}", flush=True)
     return rec
 
 
 def aot_report() -> None:
-    """Compiled for sm_90a without a GPU at K2.6's gate: the gate kernel of every configuration
-    (default and --sweep; fp32 gate), then the one-launch kernel (`_route_kernel`, default
-    configuration, bf16 and fp32 gates) at K2.6's and V3's grouped routing for select blocks of
-    1, 2 and SELECT_T tokens. Per kernel: shared memory, registers, spill bytes (ptxas -v),
-    cp.async count."""
+    """The gate kernel of every configuration (default and --sweep) at K2.6's gate compiled for
+    sm_90a without a GPU: shared memory, registers, spill bytes (ptxas -v), cp.async count."""
     import re
     import subprocess
     import tempfile
@@ -196,13 +171,23 @@ def aot_report() -> None:
 
     e, d = 384, 7168
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-
-    def report(label: str, kernel, sig: dict, consts: dict, warps: int) -> None:
-        sig = {**sig, **dict.fromkeys(consts, "constexpr")}
-        div16 = [(i,) for i, (a, ty) in enumerate(sig.items()) if ty[0] == "*" or a in ("sx", "sw")]
-        attrs = {a: [["tt.divisibility", 16]] for a in div16}  # pointers and row strides
-        src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps})
+    cfgs = [router.router_config(e, d)] + [
+        router.RouterConfig(bt, be, bk, u, s or router.router_config(e, d).split, wp, mma)
+        for bt, be, bk, u, s, wp, mma in SWEEP
+    ]
+    for cfg in cfgs:
+        chunk = cfg.block_k * cfg.unroll
+        consts = dict(E=e, D=d, E_PAD=triton.cdiv(e, 16) * 16, BLOCK_T=cfg.block_t,
+                      BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
+                      SPLIT=cfg.split, MMA=cfg.mma, BF16=False,
+                      K_PER=triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk)  # fmt: skip
+        sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", sx="i32", sw="i32")
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        div16 = [(list(sig).index(a),) for a in ("x_ptr", "w_ptr", "part_ptr", "sx", "sw")]
+        attrs = {a: [["tt.divisibility", 16]] for a in div16}
+        src = ASTSource(router._gate_partials_kernel, sig, constexprs=consts, attrs=attrs)
+        opts = {"num_warps": cfg.warps}
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
             f.write(c.asm["ptx"])
             f.flush()
@@ -210,38 +195,8 @@ def aot_report() -> None:
             log = subprocess.run(cmd, capture_output=True, text=True).stderr
         regs = re.findall(r"Used (\d+) registers", log) or ["?"]
         spill = re.findall(r"(\d+) bytes spill stores", log) or ["?"]
-        print(f"{label}: shared {c.metadata.shared} B, registers {regs[0]}, spill stores "
+        print(f"{tuple(cfg)}: shared {c.metadata.shared} B, registers {regs[0]}, spill stores "
               f"{spill[0]} B, cp.async {c.asm['ptx'].count('cp.async')}", flush=True)  # fmt: skip
-
-    def gate_consts(cfg, bf16: bool) -> dict:
-        chunk = cfg.block_k * cfg.unroll
-        return dict(E=e, D=d, E_PAD=triton.cdiv(e, 16) * 16, BLOCK_T=cfg.block_t,
-                    BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
-                    SPLIT=cfg.split, K_PER=triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk,
-                    MMA=cfg.mma, BF16=bf16, PDL=False, PF_LINES=0, PF_STEP=64)  # fmt: skip
-
-    cfgs = [router.router_config(e, d)] + [
-        router.RouterConfig(bt, be, bk, u, s or router.router_config(e, d).split, wp, mma)
-        for bt, be, bk, u, s, wp, mma in SWEEP
-    ]
-    gate_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", sx="i32", sw="i32")
-    for cfg in cfgs:
-        report(str(tuple(cfg)), router._gate_partials_kernel, gate_sig, gate_consts(cfg, False),
-               cfg.warps)  # fmt: skip
-    cfg = cfgs[0]
-    for (k, groups, topk_groups), gate in [(r, g) for r in ((8, 1, 1), (8, 8, 4))
-                                           for g in ("bf16", "fp32")]:  # fmt: skip
-        eg = e // groups
-        select = dict(G=groups, G_PAD=triton.next_power_of_2(groups), EG=eg,
-                      EG_PAD=triton.next_power_of_2(eg), TOPK_GROUP=topk_groups, TOPK=k,
-                      TOPK_PAD=triton.next_power_of_2(k), NORM=True)  # fmt: skip
-        sig = dict(gate_sig, w_ptr=f"*{gate}", ticket_ptr="*i32", bias_ptr="*fp32",
-                   ids_ptr="*i64", wts_ptr="*fp32", scaling="fp32")  # fmt: skip
-        sig = {a: sig[a] for a in router._route_kernel.arg_names if a in sig}  # argument order
-        for rows in sorted({1, 2, router.SELECT_T}):
-            consts = dict(gate_consts(cfg, gate == "bf16"), **select, SELECT_T=rows)
-            label = f"one launch, {gate} gate, groups {groups}/{topk_groups}, select {rows}"
-            report(label, router._route_kernel, sig, consts, cfg.warps)
 
 
 def main() -> None:
@@ -249,13 +204,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time other kernel configurations")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    ap.add_argument("--launches", action="store_true", help="also time one vs two launches")
     ap.add_argument("--aot", action="store_true", help="only compile the gate kernels for sm_90a")
     args = ap.parse_args()
     if args.aot:
         return aot_report()
-    if args.launches:
-        T_LIST[:] = T_LIST_LAUNCHES
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         T_LIST[:] = [1, 5, 17]

@@ -1,41 +1,27 @@
-"""The MoE router in Triton, batch-invariant: a token's expert ids and weights do not depend on
-how many other tokens are in the call or what they are.
+"""The MoE router in two Triton launches, batch-invariant: a token's expert ids and weights do not
+depend on how many other tokens are in the call or what they are.
 
-Two stages, each one @triton.jit helper that every kernel below calls, so one copy of the
-arithmetic:
-1. The gate (`_gate_partial`): the fp32 gate GEMV, spread over (expert blocks x K splits)
-   programs and token tiles, each storing its split's partial logits part[T, SPLIT, E_PAD]. The
-   default (`router_config`, `RouterConfig.mma`) takes one tl.dot "tf32x3" product per K step
-   (three tf32 tensor-core products, about fp32 accuracy, row-invariant like
-   `invariant._mm_kernel`): at K2.6's gate (tp = 8: 11 MB, E 384, D 7168) 12 expert blocks x 7
-   splits per 64-token tile. A bf16 gate with bf16 x (checkpoints store the gate in bf16;
-   `moe.Router` passes a bf16 copy when it holds the fp32 values exactly) takes one bf16 product
-   per K step instead: the products of two bf16 numbers are exact and the MMA adds them at fp32
-   precision, as the tf32x3 form does, from half the weight bytes and a third of the MMAs.
+1. `_gate_partials_kernel`: the fp32 gate GEMV, spread over (expert blocks x K splits) programs
+   and token tiles, each writing its split's partial logits [T, SPLIT, E_PAD]. The default
+   (`router_config`, `RouterConfig.mma`) takes one tl.dot "tf32x3" product per K step (three
+   tf32 tensor-core products, about fp32 accuracy, row-invariant like `invariant._mm_kernel`):
+   at K2.6's gate (tp = 8: 11 MB, E 384, D 7168) 12 expert blocks x 7 splits per 64-token tile.
+   A bf16 gate with bf16 x (checkpoints store the gate in bf16; `moe.Router` passes a bf16
+   copy when it holds the fp32 values exactly) takes one bf16 product per K step instead: the
+   products of two bf16 numbers are exact and the MMA adds them at fp32 precision, as the
+   tf32x3 form does, from half the weight bytes and a third of the MMAs.
    Without `mma` a program keeps BLOCK_K fp32 accumulators per (token, expert), each an FMA
    chain over the split's K range in K order, summed with one fixed `tl.sum` tree: exact fp32
    products, but at T in the hundreds the FMAs, not the weight, bound the time.
-2. The select (`_select_rows`, a block of tokens at a time, each row's arithmetic its own):
-   logits = partials of splits 0, 1, ... added in that order; sigmoid; + bias; the group filter
-   (a group's score is the sum of its two best biased scores; the best `topk_group` groups are
-   kept); top-k by descending biased score (ties: lower expert id first); weights = the
-   unbiased sigmoid at the ids, divided by their sum (+ 1e-20; `invariant_ref.fixed_order_sum`'s
-   pairwise order, so bitwise that sum) when `norm_topk_prob`, times `routed_scaling_factor`.
-
-Launches (`route`): up to ONE_LAUNCH_MAX_T tokens, one, `_route_kernel`: each gate program
-stores its partial, then takes an int32 ticket for its token tile (`tl.atomic_add`, acq_rel, as
-`invariant._mm_kernel` sums its split-K partials); the program that draws the tile's last ticket
-reads the tile's partials back from L2 (.cg), selects its tokens a block of up to SELECT_T at a
-time and resets the ticket to 0 (partials and tickets live in `invariant._Scratch`, whose
-CUDA-graph and stream contract applies). More tokens: two launches, `_gate_partials_kernel` then
-`_select_kernel` (one program per token, so many tokens' selects run side by side rather than
-one after another in a tile's last program). The two paths give the same bits (the same
-helpers, the same order of every fp32 operation), so choosing between them by T keeps the
-router batch-invariant.
+2. `_select_kernel`, one program per token: logits = partials of splits 0, 1, ... added in that
+   order; sigmoid; + bias; the group filter (a group's score is the sum of its two best biased
+   scores; the best `topk_group` groups are kept); top-k by descending biased score (ties: lower
+   expert id first); weights = the unbiased sigmoid at the ids, divided by their sum (+ 1e-20;
+   `invariant_ref.fixed_order_sum`'s pairwise order, so bitwise that sum) when `norm_topk_prob`,
+   times `routed_scaling_factor`.
 
 Every choice that shapes a token's arithmetic (tiles, split, warps) is a function of (E, D) only
-(`router_config`), never of T; T is not specialised on (T picks the launches and the size of
-the one-launch select's blocks, which change no bit). The torch reference is
+(`router_config`), never of T; T is not specialised on. The torch reference is
 `router_ref.route_ref`; the two agree on ids for inputs without near-ties and on weights to fp32
 rounding, not bitwise (different summation order of the gate dot products).
 """
@@ -49,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels import pdl
-from ddserve.kernels.invariant import _canonical, scratch
+from ddserve.kernels.invariant import _canonical
 from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.router_ref import RoutingParams
@@ -59,15 +45,6 @@ PROGRAMS_AT_T1 = 4 * 132  # gate programs to aim for at one token (an H200 has 1
 # up to this many bytes: all of it at K2.6 (32 experts x 1024 bf16 values per program).
 GATE_PREFETCH_BYTES = 64 << 10
 MAX_TOP_K = 32
-# One launch up to this many tokens. The select then runs after the gate in one program per
-# token tile (4 warps), a block of tokens after another (T's next power of two, at most
-# SELECT_T), instead of in a second launch of one 1-warp program per token. Compiled for sm_90
-# at K2.6's gate, one token's select is ~1,130 instructions a warp against the select kernel's
-# ~1,830, but 2 tokens take ~1,830, 4 ~3,200 and 8 ~6,100 (a warp-wide reduction per token and
-# top-k step), while a second launch costs the same at any T. An estimate, to be timed
-# (bench/bench_router.py --launches).
-ONE_LAUNCH_MAX_T = 2
-SELECT_T = 8  # at K2.6's E 384: ~240 registers a thread at 4 warps, no spills (at 16: spills)
 
 
 class RouterConfig(NamedTuple):
@@ -75,7 +52,7 @@ class RouterConfig(NamedTuple):
     block_e: int  # experts per gate program
     block_k: int  # fp32 accumulators per (token, expert): the lanes of the FMA chains
     unroll: int  # K steps loaded per loop iteration (bytes in flight)
-    split: int  # K ranges, summed in order by the select
+    split: int  # K ranges, summed in order by the select kernel
     warps: int
     mma: bool = False  # tensor cores (tl.dot "tf32x3", ~fp32) instead of the FMA chains
 
@@ -98,18 +75,33 @@ def router_config(e: int, d: int) -> RouterConfig:
     return RouterConfig(64, 32, 32, 4, split, 4, mma=True)
 
 
-@triton.jit
-def _gate_partial(
-    x_rows, w_rows, part_ptr, rt, re, t_ok, e_ok, s,
-    D: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr, K_PER: tl.constexpr,
-    MMA: tl.constexpr, BF16: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def _gate_partials_kernel(
+    x_ptr, w_ptr, part_ptr, T, sx, sw,
+    E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+    SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
+    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
 ):  # fmt: skip
-    """Stores part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32) for the
-    tokens rt [BT] and experts re [BE] (x_rows [BT, 1], w_rows [BE, 1]: their row pointers). See
-    the module docstring for the order; with MMA, one tensor-core product per BLOCK_K step
-    added in K order: bf16 when x and w both are (BF16), else tf32x3."""
+    """part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32; see the module
+    docstring for the order; with MMA, one tensor-core product per BLOCK_K step added in K
+    order: bf16 when x and w both are (BF16), else tf32x3). Program (expert block * SPLIT + s,
+    token tile). PF_LINES > 0 (PDL launches): the first token tile's programs ask L2 for
+    their gate rows' K range (PF_LINES 128-byte lines of PF_STEP values) before the wait."""
+    pid = tl.program_id(0)
+    eb, s = pid // SPLIT, pid % SPLIT
+    rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    re = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
     rk = tl.arange(0, BLOCK_K)  # [BK]
+    t_ok, e_ok = rt < T, re < E
+    x_rows = x_ptr + rt.to(tl.int64)[:, None] * sx  # [BT, 1]
+    w_rows = w_ptr + re.to(tl.int64)[:, None] * sw  # [BE, 1]
+    if PF_LINES > 0:  # the gate: no kernel of the forward writes it
+        if tl.program_id(1) == 0:
+            kl = s * K_PER + tl.arange(0, PF_LINES) * PF_STEP  # [L]
+            ok = e_ok[:, None] & (kl < D)[None, :]
+            prefetch_l2(tl.where(ok, w_rows + kl[None, :], w_ptr))  # [BE, L]
+    pdl_begin(PDL)
     if MMA:  # [BT, BE] accumulators, the MMA's own fixed order within each step
         part = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for i in range(0, K_PER, BLOCK_K * UNROLL):
@@ -138,35 +130,6 @@ def _gate_partial(
         part = tl.sum(acc, axis=2)  # [BT, BE]
     out = part_ptr + rt.to(tl.int64)[:, None] * (SPLIT * E_PAD) + s * E_PAD + re[None, :]
     tl.store(out, part, mask=t_ok[:, None] & e_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["T"])
-def _gate_partials_kernel(
-    x_ptr, w_ptr, part_ptr, T, sx, sw,
-    E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
-    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-):  # fmt: skip
-    """The gate's partials (`_gate_partial`) of program (expert block * SPLIT + s, token tile),
-    for `_select_kernel` to select from in a second launch. PF_LINES > 0 (PDL launches): the
-    first token tile's programs ask L2 for their gate rows' K range (PF_LINES 128-byte lines of
-    PF_STEP values) before the wait."""
-    pid = tl.program_id(0)
-    eb, s = pid // SPLIT, pid % SPLIT
-    rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    re = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
-    t_ok, e_ok = rt < T, re < E
-    x_rows = x_ptr + rt.to(tl.int64)[:, None] * sx  # [BT, 1]
-    w_rows = w_ptr + re.to(tl.int64)[:, None] * sw  # [BE, 1]
-    if PF_LINES > 0:  # the gate: no kernel of the forward writes it
-        if tl.program_id(1) == 0:
-            kl = s * K_PER + tl.arange(0, PF_LINES) * PF_STEP  # [L]
-            ok = e_ok[:, None] & (kl < D)[None, :]
-            prefetch_l2(tl.where(ok, w_rows + kl[None, :], w_ptr))  # [BE, L]
-    pdl_begin(PDL)
-    _gate_partial(x_rows, w_rows, part_ptr, rt, re, t_ok, e_ok, s, D, E_PAD, BLOCK_T, BLOCK_E,
-                  BLOCK_K, UNROLL, SPLIT, K_PER, MMA, BF16)  # fmt: skip
 
 
 @triton.jit
@@ -199,25 +162,23 @@ def _key_index(key, N: tl.constexpr):
 
 
 @triton.jit
-def _score(ptrs, mask, E_PAD: tl.constexpr, SPLIT: tl.constexpr, CACHE: tl.constexpr):
-    """sigmoid(partials of splits 0, 1, ... added in order), `ptrs` pointing at split 0's;
-    CACHE: the loads' cache modifier."""
-    logit = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
+def _score(part_ptr, offs, mask, E_PAD: tl.constexpr, SPLIT: tl.constexpr):
+    """sigmoid(partials of splits 0, 1, ... added in order) at expert offsets `offs`."""
+    logit = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        logit += tl.load(ptrs + s * E_PAD, mask=mask, other=0.0, cache_modifier=CACHE)
+        logit += tl.load(part_ptr + s * E_PAD + offs, mask=mask, other=0.0)
     return tl.div_rn(1.0, 1.0 + tl.exp(-logit))
 
 
 @triton.jit
 def _halve(v, N: tl.constexpr):
-    """v[:, :N/2] + v[:, N/2:] for rows v [R, N]."""
-    return tl.sum(tl.reshape(v, (v.shape[0], 2, N // 2)), axis=1)
+    """v[:N/2] + v[N/2:] for v of N elements."""
+    return tl.sum(tl.reshape(v, (2, N // 2)), axis=0)
 
 
 @triton.jit
 def _pairwise_sum(v, N: tl.constexpr):
-    """`fixed_order_sum` of each row of v [R, N] (N a power of two <= 32, zeros past the
-    values) -> [R]."""
+    """`fixed_order_sum` of v (N a power of two <= 32, zeros past the values)."""
     if N >= 32:
         v = _halve(v, 32)
     if N >= 16:
@@ -226,117 +187,53 @@ def _pairwise_sum(v, N: tl.constexpr):
         v = _halve(v, 8)
     if N >= 4:
         v = _halve(v, 4)
-    return tl.sum(v, axis=1)  # the last one or two elements a row: v[:, 0] (+ v[:, 1])
+    if N >= 2:
+        v = _halve(v, 2)
+    return tl.sum(v, axis=0)  # one element
 
 
-@triton.jit
-def _select_rows(
-    part_ptr, bias_ptr, ids_ptr, wts_ptr, t0, end, scaling, ROWS: tl.constexpr,
-    E_PAD: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    EG: tl.constexpr, EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """Tokens t0 .. t0 + ROWS - 1 (those < end; end None: all of them): ids [TOPK] int64 and
-    weights [TOPK] fp32 each, from their gate partials (module docstring, stage 2). Every row's
-    arithmetic is its own (maxima of int64 keys are exact; the sums and divisions are
-    elementwise), so the bits do not depend on ROWS or on the other rows."""
-    N: tl.constexpr = G_PAD * EG_PAD  # key offsets: every expert index is < N
-    rows = t0 + tl.arange(0, ROWS)  # [R]
-    r_ok = rows < end if end is not None else tl.full((ROWS,), True, tl.int1)
-    part = part_ptr + rows.to(tl.int64) * (SPLIT * E_PAD)  # [R]
-    rg = tl.arange(0, G_PAD)  # [GP]
-    rj = tl.arange(0, EG_PAD)  # [EGP]
-    idx = rg[:, None] * EG + rj[None, :]  # [GP, EGP] expert ids
-    e_ok = (rg[:, None] < G) & (rj[None, :] < EG)  # [GP, EGP]
-    ok = r_ok[:, None, None] & e_ok[None, :, :]  # [R, GP, EGP]
-    score = _score(part[:, None, None] + idx[None, :, :], ok, E_PAD, SPLIT, CACHE)
-    biased = score + tl.load(bias_ptr + idx[None, :, :], mask=ok, other=0.0)  # [R, GP, EGP]
-    key = _key(tl.where(ok, biased, float("-inf")), idx[None, :, :], N)  # [R, GP, EGP]
-    gone = _ordered(tl.full((), float("-inf"), tl.float32)).to(tl.int64) << 32  # < every key
-    if TOPK_GROUP < G:
-        first = tl.max(key, axis=2)  # [R, GP] each group's best
-        second = tl.max(tl.where(key == first[:, :, None], gone, key), axis=2)  # [R, GP]
-        group_score = tl.where(
-            rg[None, :] < G, _key_value(first) + _key_value(second), float("-inf")
-        )  # [R, GP]
-        group_key = _key(group_score, rg[None, :], G_PAD)  # [R, GP]
-        keep = group_key == gone  # [R, GP] all False: every key is above `gone`
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(group_key, axis=1)  # [R]
-            keep = keep | (group_key == best[:, None])
-            group_key = tl.where(group_key == best[:, None], gone, group_key)
-        key = tl.where(keep[:, :, None], key, gone)
-    rk = tl.arange(0, TOPK_PAD)  # [KP]
-    ids = tl.zeros((ROWS, TOPK_PAD), dtype=tl.int32)  # [R, KP]
-    for i in tl.static_range(TOPK):
-        best = tl.max(tl.max(key, axis=2), axis=1)  # [R]
-        ids = tl.where(rk[None, :] == i, _key_index(best, N)[:, None], ids)
-        key = tl.where(key == best[:, None, None], gone, key)
-    k_ok = r_ok[:, None] & (rk < TOPK)[None, :]  # [R, KP]
-    w = tl.where(k_ok, _score(part[:, None] + ids, k_ok, E_PAD, SPLIT, CACHE), 0.0)  # unbiased
-    if NORM:
-        w = tl.div_rn(w, _pairwise_sum(w, TOPK_PAD)[:, None] + 1e-20)
-    out = rows.to(tl.int64)[:, None] * TOPK + rk[None, :]  # [R, KP]
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=k_ok)
-    tl.store(wts_ptr + out, w * scaling, mask=k_ok)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _select_kernel(
-    part_ptr, bias_ptr, ids_ptr, wts_ptr, scaling,
+    part_ptr, bias_ptr, ids_ptr, wts_ptr, T, scaling,
     E_PAD: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     EG: tl.constexpr, EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Token t's ids [TOPK] int64 and weights [TOPK] fp32 from its gate partials, t = program."""
+    """Token t's ids [TOPK] int64 and weights [TOPK] fp32 from its gate partials."""
     pdl_begin(PDL)
-    _select_rows(part_ptr, bias_ptr, ids_ptr, wts_ptr, tl.program_id(0), None, scaling, 1, E_PAD,
-                 SPLIT, G, G_PAD, EG, EG_PAD, TOPK_GROUP, TOPK, TOPK_PAD, NORM, "")  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["T"])
-def _route_kernel(
-    x_ptr, w_ptr, part_ptr, ticket_ptr, bias_ptr, ids_ptr, wts_ptr, T, sx, sw, scaling,
-    E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-    SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
-    G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NORM: tl.constexpr,
-    SELECT_T: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-):  # fmt: skip
-    """`_gate_partials_kernel` and `_select_kernel` in one launch (the same helpers, so the same
-    bits). Each program stores its partial, then takes a ticket for its token tile (ticket[tile]
-    counts arrivals); the one that draws the last reads the tile's partials back from L2 (.cg),
-    selects the tile's tokens SELECT_T at a time and resets the ticket to 0 for the next launch
-    (or graph replay). The prologue is `_gate_partials_kernel`'s (before the PDL wait a kernel calls
-    nothing but prefetches)."""
-    pid = tl.program_id(0)
-    eb, s = pid // SPLIT, pid % SPLIT
-    rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    re = eb * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
-    t_ok, e_ok = rt < T, re < E
-    x_rows = x_ptr + rt.to(tl.int64)[:, None] * sx  # [BT, 1]
-    w_rows = w_ptr + re.to(tl.int64)[:, None] * sw  # [BE, 1]
-    if PF_LINES > 0:  # the gate: no kernel of the forward writes it
-        if tl.program_id(1) == 0:
-            kl = s * K_PER + tl.arange(0, PF_LINES) * PF_STEP  # [L]
-            ok = e_ok[:, None] & (kl < D)[None, :]
-            prefetch_l2(tl.where(ok, w_rows + kl[None, :], w_ptr))  # [BE, L]
-    pdl_begin(PDL)
-    _gate_partial(x_rows, w_rows, part_ptr, rt, re, t_ok, e_ok, s, D, E_PAD, BLOCK_T, BLOCK_E,
-                  BLOCK_K, UNROLL, SPLIT, K_PER, MMA, BF16)  # fmt: skip
-    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
-    tile = tl.program_id(1)
-    ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")  # arrivals before this one
-    if ticket == tl.num_programs(0) - 1:  # the others have stored theirs: read them from L2
-        t0 = tile * BLOCK_T
-        end = tl.minimum(t0 + BLOCK_T, T)
-        for i in range(0, BLOCK_T, SELECT_T):  # constant bounds (the interpreter needs them)
-            if t0 + i < end:
-                _select_rows(part_ptr, bias_ptr, ids_ptr, wts_ptr, t0 + i, end, scaling,
-                             SELECT_T, E_PAD, SPLIT, G, G_PAD, EG, EG_PAD, TOPK_GROUP, TOPK,
-                             TOPK_PAD, NORM, ".cg")  # fmt: skip
-        tl.store(ticket_ptr + tile, 0)
+    t = tl.program_id(0).to(tl.int64)
+    N: tl.constexpr = G_PAD * EG_PAD  # key offsets: every expert index is < N
+    part = part_ptr + t * (SPLIT * E_PAD)
+    rg = tl.arange(0, G_PAD)  # [GP]
+    rj = tl.arange(0, EG_PAD)  # [EGP]
+    idx = rg[:, None] * EG + rj[None, :]  # [GP, EGP] expert ids
+    ok = (rg[:, None] < G) & (rj[None, :] < EG)
+    biased = _score(part, idx, ok, E_PAD, SPLIT) + tl.load(bias_ptr + idx, mask=ok, other=0.0)
+    key = _key(tl.where(ok, biased, float("-inf")), idx, N)  # [GP, EGP]
+    gone = _ordered(tl.full((), float("-inf"), tl.float32)).to(tl.int64) << 32  # < every key
+    if TOPK_GROUP < G:
+        first = tl.max(key, axis=1)  # [GP] each group's best
+        second = tl.max(tl.where(key == first[:, None], gone, key), axis=1)  # [GP]
+        group_score = tl.where(rg < G, _key_value(first) + _key_value(second), float("-inf"))
+        group_key = _key(group_score, rg, G_PAD)  # [GP]
+        keep = rg < 0  # [GP] all False
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_key, axis=0)
+            keep = keep | (group_key == best)
+            group_key = tl.where(group_key == best, gone, group_key)
+        key = tl.where(keep[:, None], key, gone)
+    rk = tl.arange(0, TOPK_PAD)  # [KP]
+    ids = tl.zeros((TOPK_PAD,), dtype=tl.int32)  # [KP]
+    for i in tl.static_range(TOPK):
+        best = tl.max(tl.max(key, axis=1), axis=0)
+        ids = tl.where(rk == i, _key_index(best, N), ids)
+        key = tl.where(key == best, gone, key)
+    k_ok = rk < TOPK
+    w = tl.where(k_ok, _score(part, ids, k_ok, E_PAD, SPLIT), 0.0)  # [KP] unbiased scores
+    if NORM:
+        w = tl.div_rn(w, _pairwise_sum(w, TOPK_PAD) + 1e-20)
+    tl.store(ids_ptr + t * TOPK + rk, ids.to(tl.int64), mask=k_ok)
+    tl.store(wts_ptr + t * TOPK + rk, w * scaling, mask=k_ok)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: RoutingParams) -> None:
@@ -366,15 +263,9 @@ def route(
     bias: torch.Tensor,
     p: RoutingParams,
     cfg: RouterConfig | None = None,
-    *,
-    one_launch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D], gate weight [E, D] fp32 or bf16, bias [E] fp32 -> ids [T, k] int64, weights
-    [T, k] fp32 (`route_ref`'s contract). `cfg` overrides `router_config(E, D)` (benchmarks).
-    `one_launch` (benchmarks and tests; default: T <= ONE_LAUNCH_MAX_T) chooses `_route_kernel`
-    over `_gate_partials_kernel` + `_select_kernel`: the same bits either way, so the choice by
-    T keeps every token's result independent of the others. One launch uses the device's
-    `invariant._Scratch` (one stream at a time, see its contract)."""
+    [T, k] fp32 (`route_ref`'s contract). `cfg` overrides `router_config(E, D)` (benchmarks)."""
     _check(x, weight, bias, p)
     (e, d), t, k = weight.shape, x.shape[0], p.top_k
     cfg = cfg or router_config(e, d)
@@ -387,6 +278,7 @@ def route(
     e_pad = triton.cdiv(e, 16) * 16
     chunk = cfg.block_k * cfg.unroll
     k_per = triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk
+    part = torch.empty(t, cfg.split, e_pad, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(e, cfg.block_e) * cfg.split, triton.cdiv(t, cfg.block_t))
     launch = pdl.launch_options(x.device)
     pf_step = 128 // weight.element_size()  # gate values per 128-byte line
@@ -394,34 +286,18 @@ def route(
     if launch["PDL"] and "router" in pdl.PREFETCH:
         cap = GATE_PREFETCH_BYTES // (128 * cfg.block_e)
         pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), cap)
-    gate = dict(
-        E=e, D=d, E_PAD=e_pad, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
-        UNROLL=cfg.unroll, SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
+    _gate_partials_kernel[grid](
+        x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
+        SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
         BF16=x.dtype == weight.dtype == torch.bfloat16, PF_LINES=pf_lines, PF_STEP=pf_step,
+        num_warps=cfg.warps, **launch,
     )  # fmt: skip
     eg = e // p.n_group
-    select = dict(
-        G=p.n_group, G_PAD=triton.next_power_of_2(p.n_group), EG=eg,
-        EG_PAD=triton.next_power_of_2(eg), TOPK_GROUP=p.topk_group, TOPK=k,
-        TOPK_PAD=triton.next_power_of_2(k), NORM=p.norm_topk_prob,
-    )  # fmt: skip
-    n_part = t * cfg.split * e_pad  # fp32 partials [T, split, E_PAD]
-    if one_launch is None:
-        one_launch = t <= ONE_LAUNCH_MAX_T
-    if one_launch:
-        part, tickets = scratch(x.device).take(n_part, grid[1], x.device)
-        _route_kernel[grid](
-            x, weight, part, tickets, bias, ids, wts, t, sx, weight.stride(0), float(p.scaling),
-            **gate, **select, SELECT_T=min(SELECT_T, triton.next_power_of_2(t), cfg.block_t),
-            num_warps=cfg.warps, **launch,
-        )  # fmt: skip
-        return ids, wts
-    part = torch.empty(n_part, dtype=torch.float32, device=x.device)
-    _gate_partials_kernel[grid](
-        x, weight, part, t, sx, weight.stride(0), **gate, num_warps=cfg.warps, **launch
-    )
     _select_kernel[(t,)](
-        part, bias, ids, wts, float(p.scaling), E_PAD=e_pad, SPLIT=cfg.split, **select,
-        num_warps=1, **launch,
+        part, bias, ids, wts, t, float(p.scaling), E_PAD=e_pad, SPLIT=cfg.split, G=p.n_group,
+        G_PAD=triton.next_power_of_2(p.n_group), EG=eg, EG_PAD=triton.next_power_of_2(eg),
+        TOPK_GROUP=p.topk_group, TOPK=k, TOPK_PAD=triton.next_power_of_2(k),
+        NORM=p.norm_topk_prob, num_warps=1, **launch,
     )  # fmt: skip
     return ids, wts
