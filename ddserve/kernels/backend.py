@@ -261,10 +261,13 @@ def side_branch(x: torch.Tensor) -> Iterator[Callable[[], None]]:
     fork and the join become graph edges). Where the configuration runs no side stream (CPU,
     `KernelConfig.side_stream` off) the body runs in place and `join` does nothing.
 
-    The body's tensors come from the side stream's pool; the caller uses them on its stream
-    only after `join` and drops them before the next `side_branch`, whose fork then orders the
-    side stream's reuse of their memory after those uses. Kernels do not change: the results
-    are bitwise those of running the body in place."""
+    Lifetimes (no `record_stream`): every tensor the body reads must stay referenced by the
+    caller until `join` (else the current stream may reuse its memory while the side stream
+    still reads it); the body's tensors come from the side stream's pool, and the caller uses
+    them only after `join` and drops them before the next `side_branch`, whose fork then orders
+    the side stream's reuse of their memory after those uses. Call `join` on every path, errors
+    included (a CUDA-graph capture cannot end with the side stream unjoined). Kernels do not
+    change: the results are bitwise those of running the body in place."""
     global _on_side
     if x.device.type != "cuda" or not _current.side_stream:
         yield lambda: None

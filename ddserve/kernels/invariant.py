@@ -210,7 +210,12 @@ _SIDE_SCRATCH: dict[torch.device, _Scratch] = {}  # calls inside `backend.side_b
 
 def scratch(device: torch.device) -> _Scratch:
     """The split-K scratch of the stream being issued to: the main one, or the side stream's
-    while `backend.side_branch` runs (the two run concurrently, so they must not share)."""
+    while `backend.side_branch` runs (the two run concurrently, so they must not share). Each
+    table's calls are ordered: on one stream, or, for the side table, by the fork and join of
+    consecutive side branches through the main stream (also between a replayed graph's
+    branches). At K2.6 shapes the side branch's gate/up matmul splits K (8 ways) while the main
+    stream runs the router and the routed experts, which take no scratch: the separate table
+    keeps any split matmul later placed on the main branch from sharing its tickets."""
     table = _SIDE_SCRATCH if backend.on_side_stream() else _SCRATCH
     return table.setdefault(device, _Scratch())
 

@@ -27,7 +27,7 @@ import logging
 import torch
 import triton
 
-from ddserve.kernels import pdl
+from ddserve.kernels import backend, pdl
 from ddserve.kernels.moe_align import MAX_PAIRS, align_by_expert, align_by_expert_triton
 from ddserve.kernels.moe_common import num_sms
 from ddserve.kernels.moe_reduce import _combine_kernel, _silu_kernel
@@ -242,6 +242,8 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
     ks = w13.k_steps
     grid = nb * split * w13.n_tiles
     units = nb * (w13.n // 2) // w13.bn  # (block, gate n-tile)
+    # one ticket table per device: routed experts run on the main stream only
+    assert not backend.on_side_stream(), "the routed MoE does not run inside a side branch"
     tickets = _TICKETS.setdefault(x.device, _Tickets()).take(units, x.device)
     k = _w4_up_silu_kernel[(grid,)](
         x, w13.words, w13.scales, part, pairs, bexp, h, tickets,

@@ -30,13 +30,12 @@ visibility rows: each row's parent chain, D' steps of a gather.
 
 Why one program per stream: the pops of a stream are a chain of `budget` dependent rounds over
 at most 2 * budget keys (a warp's worth), so more programs per stream would only add cross-SM
-traffic; streams run side by side on separate SMs. Cost (an estimate, not a timing): compiled
-offline for sm_90 at budget 64 a round is ~170 SASS instructions at 1 or 4 warps (a 5-level
-shuffle reduction carrying key and base score; 3 barriers at 4 warps) plus three dependent
-loads from the stream's D' * K inputs (L1 / L2 hits), some 400-600 cycles, so 64 rounds and the
-visibility rows come to roughly 15-30 us for any stream count up to the SM count, against the
-torch beam's ~0.5-0.7 ms of small sorts and gathers in a graph (BENCHMARKS.md "Tree builder").
-bench/bench_tree_build.py times both and sweeps the warps.
+traffic; streams run side by side on separate SMs. Cost: compiled offline for sm_90 at budget
+64 a round is ~170 SASS instructions at 1 or 4 warps (a 5-level shuffle reduction carrying key
+and base score; 3 barriers at 4 warps) plus three dependent loads from the stream's D' * K
+inputs (L1 / L2 hits). Timed on an H200 (bench/bench_tree_build.py, BENCHMARKS.md "Tree
+builder"): 11 us at budget 16 and 39-40 us at 64 for 1 to 16 streams, against the torch beam's
+0.5-0.75 ms of small sorts and gathers in a graph.
 
 Caps: budget <= MAX_BUDGET = 256, the largest compiled and tested (the keys' 30-bit index field
 would hold D' * N * K up to budget ~1000; the [N+1, N+1] visibility is written in blocks of
@@ -58,7 +57,8 @@ from ddserve.kernels.pdl import begin as pdl_begin
 MAX_BUDGET = 256  # larger budgets: the torch beam
 LOW_MAX = tl.constexpr(2**30 - 1)  # the keys' node index field: D' * N * K <= MAX_BUDGET**3
 VISIBLE_TILE = 2048  # elements of one block of visibility rows
-WARPS = 4  # a guess until timed (bench/bench_tree_build.py --sweep)
+# fastest on an H200 (--sweep, 16 streams, budget 64: 1 / 2 / 4 / 8 warps 69 / 49 / 39 / 42 us)
+WARPS = 4
 
 
 def supports(top_lp: torch.Tensor, top_tok: torch.Tensor, budget: int) -> bool:

@@ -6,8 +6,9 @@ is the sum of its top-2 biased scores), and *weighted* by the unbiased scores, n
 `norm_topk_prob`, times `routed_scaling_factor`. Routed experts run through `backend.moe`, or,
 for a few tokens on the GPU, `backend.moe_pairs`, whose per-expert outputs the shared expert's
 down matmul sums in its epilogue; shared experts are added unscaled; one all-reduce sums the
-per-rank partials of both. On CUDA the shared expert's gate/up and SiLU run on a second stream
-beside the router and the routed experts (`backend.side_branch`), joined before its down matmul.
+per-rank partials of both. On CUDA (unless `KernelConfig.side_stream` is off) the shared expert's
+gate/up and SiLU run on a second stream beside the router and the routed experts
+(`backend.side_branch`), joined before its down matmul.
 """
 
 from __future__ import annotations
@@ -264,21 +265,29 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D] (all-reduced)
         shared = self.shared_experts
-        h, join = None, None
-        if shared is not None:  # its gate/up beside the router and routed experts (CUDA)
-            with backend.side_branch(x) as join:
-                h = shared.activation(x)  # [T, I_local]
+        if shared is None:
+            y, _ = self._routed(x, pairs_ok=False)
+            return reduce_partials(self.comm, y)
+        # the shared expert's gate/up beside the router and the routed experts (CUDA)
+        with backend.side_branch(x) as join:
+            h = shared.activation(x)  # [T, I_local]
+        try:
+            y, topk = self._routed(x, pairs_ok=True)
+        finally:  # also on an error: a capture must not end with the side stream unjoined
+            join()
+        # routed + shared, added in the down matmul (topk > 0: y holds the [T * k, D] fp32
+        # pairs, whose top-k sum the down matmul's epilogue takes too)
+        y = shared.down_proj(h, add=y, add_topk=topk)
+        return reduce_partials(self.comm, y)
+
+    def _routed(self, x: torch.Tensor, pairs_ok: bool) -> tuple[torch.Tensor, int]:
+        """The routed experts' output: ([T, D] partial, 0), or with `pairs_ok` where the backend
+        serves it ([T * k, D] fp32 weighted pairs, k) for the shared down matmul to sum."""
         ids, weights = self.gate(x)
         if self.route_hook is not None:
             self.route_hook(ids)
         experts = self.experts.weights()
-        pairs = None if shared is None else backend.moe_pairs(x, ids, weights, experts)
-        if pairs is not None:  # [T * k, D] fp32: their top-k sum + shared in the down matmul
-            join()
-            y = shared.down_proj(h, add=pairs, add_topk=ids.shape[1])
-        else:
-            y = backend.moe(backend.device_type(x))(x, ids, weights, experts)  # [T, D] partial
-            if shared is not None:  # routed + shared, added in the down matmul
-                join()
-                y = shared.down_proj(h, add=y)
-        return reduce_partials(self.comm, y)
+        pairs = backend.moe_pairs(x, ids, weights, experts) if pairs_ok else None
+        if pairs is not None:
+            return pairs, ids.shape[1]
+        return backend.moe(backend.device_type(x))(x, ids, weights, experts), 0

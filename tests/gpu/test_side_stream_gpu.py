@@ -1,8 +1,10 @@
 """The shared expert on a second CUDA stream (`backend.side_branch`) changes when its kernels run,
 never what they compute: forwards eager and replayed from CUDA graphs give the same logits, bit
-for bit, as with DDSERVE_SIDE_STREAM=0, and DDTree still equals plain decoding. A missing join (a
-down matmul reading the shared activation before it is written) or split-K scratch shared by the
-two streams would show as differing logits. Skipped without CUDA."""
+for bit, as with DDSERVE_SIDE_STREAM=0, and DDTree still equals plain decoding. A missing join
+shows in the graph runs (a capture cannot end with the side stream unjoined; eagerly the side
+kernels, queued first, usually win the race anyway). The tiny model's matmuls do not split K,
+so the side stream's own split-K scratch is covered by `test_kernel_env` and the K2.6 engine
+bench, not here. Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -103,6 +103,19 @@ def test_side_stream_is_on_unless_the_environment_turns_it_off():
         assert not KernelConfig.resolve(True, env={"DDSERVE_SIDE_STREAM": off}).side_stream
 
 
+def test_split_matmuls_inside_a_side_branch_take_their_own_scratch(monkeypatch):
+    from ddserve.kernels import backend
+    from ddserve.kernels import invariant as inv
+
+    dev = torch.device("cpu")
+    main = inv.scratch(dev)
+    monkeypatch.setattr(backend, "_on_side", True)  # as inside `side_branch` on a GPU
+    side = inv.scratch(dev)
+    assert side is not main and side is inv.scratch(dev)
+    monkeypatch.setattr(backend, "_on_side", False)
+    assert inv.scratch(dev) is main
+
+
 def test_side_branch_on_the_cpu_runs_its_body_in_place():
     from ddserve.kernels import backend
 
