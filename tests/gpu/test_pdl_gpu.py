@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _forwards import PROMPTS, forward_logits, prefilled_runner
 
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.runner import ModelRunner
@@ -18,9 +19,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-# the last prompt's 300 tokens give its attention calls several key splits (256 keys each)
-PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200],
-           [(7 * i) % 250 for i in range(300)]]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -30,27 +28,9 @@ def model_dir(tmp_path_factory):
 
 def _runner(model_dir, graphs: bool, on: bool, monkeypatch) -> ModelRunner:
     monkeypatch.setenv("DDSERVE_PDL", "1" if on else "0")
-    cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
-    runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda")
+    runner = prefilled_runner(model_dir, graphs)
     assert runner.kernels.pdl == on
-    for i, p in enumerate(PROMPTS):
-        runner.add_stream(i, p, SamplingParams(max_tokens=24))
-    runner.prefill()
     return runner
-
-
-def _logits(runner: ModelRunner, q: int, seed: int) -> torch.Tensor:
-    sts = [runner.streams[i] for i in range(len(PROMPTS))]
-    new = [runner.allocator.alloc(q) for _ in sts]
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (len(sts) * q,), generator=g)
-    pos = torch.tensor([len(st.slots) + j for st in sts for j in range(q)])
-    mask = torch.ones(len(sts), q, q, dtype=torch.bool).tril()
-    out, _ = runner._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
-    logits = out.logits.clone()
-    for block in new:
-        runner.allocator.free(block)
-    return logits
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -58,7 +38,7 @@ def test_forwards_with_pdl_equal_forwards_without_bit_for_bit(model_dir, graphs,
     on = _runner(model_dir, graphs, True, monkeypatch)
     off = _runner(model_dir, graphs, False, monkeypatch)
     for q, seed in [(1, 0), (9, 1), (1, 2), (9, 3), (9, 4)]:  # AR steps and verify-sized blocks
-        assert torch.equal(_logits(on, q, seed), _logits(off, q, seed)), (q, seed)
+        assert torch.equal(forward_logits(on, q, seed), forward_logits(off, q, seed)), (q, seed)
     if graphs:
         assert on._graphs is not None and off._graphs is not None
     on.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _forwards import PROMPTS, forward_logits, prefilled_runner
 
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.runner import ModelRunner
@@ -21,8 +22,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200],
-           [(7 * i) % 250 for i in range(300)]]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,27 +31,9 @@ def model_dir(tmp_path_factory):
 
 def _runner(model_dir, graphs: bool, on: bool, monkeypatch) -> ModelRunner:
     monkeypatch.setenv("DDSERVE_SIDE_STREAM", "1" if on else "0")
-    cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
-    runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda")
+    runner = prefilled_runner(model_dir, graphs)
     assert runner.kernels.side_stream == on
-    for i, p in enumerate(PROMPTS):
-        runner.add_stream(i, p, SamplingParams(max_tokens=24))
-    runner.prefill()
     return runner
-
-
-def _logits(runner: ModelRunner, q: int, seed: int) -> torch.Tensor:
-    sts = [runner.streams[i] for i in range(len(PROMPTS))]
-    new = [runner.allocator.alloc(q) for _ in sts]
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (len(sts) * q,), generator=g)
-    pos = torch.tensor([len(st.slots) + j for st in sts for j in range(q)])
-    mask = torch.ones(len(sts), q, q, dtype=torch.bool).tril()
-    out, _ = runner._decode_forward(sts, q, new, mask, ids.cuda(), pos.cuda())
-    logits = out.logits.clone()
-    for block in new:
-        runner.allocator.free(block)
-    return logits
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -63,7 +44,7 @@ def test_forwards_with_the_side_stream_equal_forwards_without(model_dir, graphs,
     on = _runner(model_dir, graphs, True, monkeypatch)
     assert backend._side_stream.cache_info().currsize == 1  # the prefill forked
     for q, seed in [(1, 0), (9, 1), (1, 2), (9, 3), (9, 4)]:  # AR steps and verify-sized blocks
-        assert torch.equal(_logits(on, q, seed), _logits(off, q, seed)), (q, seed)
+        assert torch.equal(forward_logits(on, q, seed), forward_logits(off, q, seed)), (q, seed)
     on.close()
     off.close()
 
