@@ -10,8 +10,10 @@ For each configuration (AR at each --batches, DDTree verify of --budget at each 
 2. eager profile with every module of the model annotated (torch.profiler user annotations):
    each kernel is attributed to the innermost module that launched it, then to a category;
 3. the same forward captured in a CUDA graph and profiled over --reps replays: kernel durations
-   by position, matched to the eager kernels by name and order (the graph replays exactly the
-   eager launch sequence), so graph time is attributed to the same categories;
+   by position in the replay, each matched to the eager kernel of the same name and occurrence
+   (`by_occurrence`: the graph replays the eager launches, but with the shared expert on a
+   second stream their interleaving in time differs), so graph time is attributed to the same
+   categories;
 4. floors: bytes the category must read (weights; distinct routed experts measured by routing;
    KV latents of every key) over the measured copy bandwidth.
 JSON per configuration: categories (us per step, kernels, floor us), the top kernels, kernels per
@@ -192,17 +194,44 @@ def _has_child(ops: list[dict], i: int) -> bool:
 
 
 def graph_kernels(events: list[dict], reps: int) -> tuple[list[tuple[str, float]], float]:
-    """([(name, mean duration us)] of one replay in order, mean wall us of one replay)."""
+    """([(name, mean duration us)] of one replay in the first replay's order, mean wall us of one
+    replay). A kernel's duration is averaged over the replays by name and occurrence (two
+    streams may interleave differently from one replay to the next)."""
     ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     n = len(ks) // reps
-    per = [
-        (ks[i]["name"], sum(float(ks[r * n + i]["dur"]) for r in range(reps)) / reps)
-        for i in range(n)
-    ]
+    durs: dict[tuple[str, int], float] = defaultdict(float)
+    order: list[tuple[str, int]] = []
+    for r in range(reps):
+        taken: dict[str, int] = defaultdict(int)
+        for e in ks[r * n : (r + 1) * n]:
+            key = (e["name"], taken[e["name"]])
+            taken[e["name"]] += 1
+            durs[key] += float(e["dur"]) / reps
+            if r == 0:
+                order.append(key)
     walls = [
-        ks[r * n + n - 1]["ts"] + ks[r * n + n - 1]["dur"] - ks[r * n]["ts"] for r in range(reps)
+        max(e["ts"] + e["dur"] for e in ks[r * n : (r + 1) * n]) - ks[r * n]["ts"]
+        for r in range(reps)
     ]
-    return per, sum(walls) / reps if walls else 0.0
+    return [(k[0], durs[k]) for k in order], sum(walls) / reps if walls else 0.0
+
+
+def by_occurrence(eager: list[tuple[str, str, float]], names: list[str]) -> list[str | None]:
+    """The eager module path of each graph kernel in `names`: the k-th launch of a kernel name in
+    the replay is the k-th of that name in the eager run (None where the eager run has fewer).
+    Matching by name and occurrence rather than by position keeps the attribution right when
+    kernels run on two streams (the MoE's shared expert): their interleaving in time differs
+    between the eager run and a replay, but each name's own sequence does not."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for name, path, _ in eager:
+        seen[name].append(path)
+    taken: dict[str, int] = defaultdict(int)
+    out: list[str | None] = []
+    for name in names:
+        k = taken[name]
+        taken[name] += 1
+        out.append(seen[name][k] if k < len(seen[name]) else None)
+    return out
 
 
 def summarize(rows: list[tuple[str, str, float]], floors: dict[str, float], layers: int) -> dict:
@@ -286,10 +315,11 @@ def profile_forward(runner, inputs, args, recorder, bw) -> dict:
         torch.cuda.synchronize()
     per, wall = graph_kernels(trace_events(gprof), args.reps)
     del graph
-    matched = sum(1 for (a, _), (b, _, _) in zip(per, eager, strict=False) if a == b)
+    paths = by_occurrence(eager, [n for n, _ in per])
+    matched = sum(1 for p in paths if p is not None)
     rows = [
-        (n, cat_of(n, eager[i][1]) if i < len(eager) and eager[i][0] == n else "other", us)
-        for i, (n, us) in enumerate(per)
+        (n, "other" if p is None else cat_of(n, p), us)
+        for (n, us), p in zip(per, paths, strict=True)
     ]
     g = summarize(rows, floors, layers)
     g.update(wall_us=wall, gaps_us=wall - g["kernel_us"], matched_to_eager=matched)

@@ -14,7 +14,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from profile_step import category, innermost  # noqa: E402
+from profile_step import by_occurrence, category, graph_kernels, innermost  # noqa: E402
 
 
 def test_a_stamp_belongs_to_the_innermost_range_containing_it():
@@ -34,6 +34,36 @@ def test_a_stamp_belongs_to_the_innermost_range_containing_it():
         4: "model.layers.0",
         5: "",
     }
+
+
+def test_graph_kernels_take_their_eager_module_by_name_and_occurrence():
+    # eager: main-stream matmul, then the side stream's matmul and SiLU beside the router
+    eager = [
+        ("mm", "attn.o_proj", 5.0),
+        ("mm", "mlp.shared.gate_up", 3.0),
+        ("gate", "mlp.gate", 4.0),
+        ("silu", "mlp.shared", 1.0),
+        ("mm", "mlp.shared.down", 2.0),
+    ]
+    # the replay interleaves the two streams differently: SiLU before the router's kernel
+    names = ["mm", "mm", "silu", "gate", "mm", "extra"]
+    assert by_occurrence(eager, names) == [
+        "attn.o_proj", "mlp.shared.gate_up", "mlp.shared", "mlp.gate", "mlp.shared.down", None
+    ]  # fmt: skip
+
+
+def test_graph_kernel_durations_average_by_name_and_occurrence_across_replays():
+    def k(name, ts, dur):
+        return dict(cat="kernel", name=name, ts=ts, dur=dur)
+
+    events = [  # replay 1: a, b (side), c; replay 2: b starts before a
+        k("a", 0.0, 2.0), k("b", 1.0, 4.0), k("c", 6.0, 1.0),
+        k("b", 10.0, 6.0), k("a", 11.0, 4.0), k("c", 17.0, 3.0),
+        dict(cat="cpu_op", name="x", ts=0.0, dur=1.0),
+    ]  # fmt: skip
+    per, wall = graph_kernels(events, reps=2)
+    assert per == [("a", 3.0), ("b", 5.0), ("c", 2.0)]
+    assert wall == pytest.approx(((7.0 - 0.0) + (20.0 - 10.0)) / 2)
 
 
 @pytest.mark.parametrize(
