@@ -20,8 +20,9 @@ JSON per configuration: categories (us per step, kernels, floor us), the top ker
 layer, the graph's wall time and its gaps between kernels. --variants profiles each configuration
 under several kernel launch variants in one process (same weights, same inputs): "default"
 (programmatic dependent launch with its L2 prefetches), "no-<kernel>-prefetch" (matmul, router,
-attention), "no-prefetch", "no-pdl" and "no-side-stream" (the MoE's shared expert on the main
-stream).
+attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
+stream) and "side-first" (the shared expert's branch forked before the router instead of after
+it: `side_first_moe_forward`).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -50,11 +51,12 @@ from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from ddserve.kernels import backend, pdl  # noqa: E402
+from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
 # launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all;
 # the shared expert on the main stream (no side stream)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
-            "no-prefetch", "no-pdl", "no-side-stream")  # fmt: skip
+            "no-prefetch", "no-pdl", "no-side-stream", "side-first")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -338,11 +340,13 @@ def use_router_fma() -> None:
 @contextlib.contextmanager
 def variant(runner, name: str):
     """The runner's kernel configuration and the PDL prefetches set for one launch variant."""
-    kernels, prefetch = runner.kernels, pdl.PREFETCH
+    kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
     elif name == "no-side-stream":
         runner.kernels = dataclasses.replace(kernels, side_stream=False)
+    elif name == "side-first":
+        MoE.forward = side_first_moe_forward
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
@@ -350,7 +354,20 @@ def variant(runner, name: str):
     try:
         yield
     finally:
-        runner.kernels, pdl.PREFETCH = kernels, prefetch
+        runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
+
+
+def side_first_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
+    """`MoE.forward` with the shared expert's branch forked before the router (it then runs
+    beside the router too); the same kernels and bits."""
+    shared = self.shared_experts
+    with backend.side_branch(x) as join:
+        h = shared.activation(x)
+    try:
+        y, topk = self._routed(x, *self._route(x), pairs_ok=True)
+    finally:
+        join()
+    return reduce_partials(self.comm, shared.down_proj(h, add=y, add_topk=topk))
 
 
 def capture_inputs(bench, sids: list[int], budget: int | None, depth: int) -> tuple:

@@ -265,14 +265,17 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D] (all-reduced)
         shared = self.shared_experts
+        ids, weights = self._route(x)
         if shared is None:
-            y, _ = self._routed(x, pairs_ok=False)
+            y, _ = self._routed(x, ids, weights, pairs_ok=False)
             return reduce_partials(self.comm, y)
-        # the shared expert's gate/up beside the router and the routed experts (CUDA)
+        # The shared expert's gate/up beside the routed experts (CUDA). The fork comes after the
+        # router: the router's kernels, on the critical path and latency-bound, then have the
+        # GPU to themselves, and the side branch overlaps the routed experts' GEMMs only.
         with backend.side_branch(x) as join:
             h = shared.activation(x)  # [T, I_local]
         try:
-            y, topk = self._routed(x, pairs_ok=True)
+            y, topk = self._routed(x, ids, weights, pairs_ok=True)
         finally:  # also on an error: a capture must not end with the side stream unjoined
             join()
         # routed + shared, added in the down matmul (topk > 0: y holds the [T * k, D] fp32
@@ -280,12 +283,18 @@ class MoE(nn.Module):
         y = shared.down_proj(h, add=y, add_topk=topk)
         return reduce_partials(self.comm, y)
 
-    def _routed(self, x: torch.Tensor, pairs_ok: bool) -> tuple[torch.Tensor, int]:
-        """The routed experts' output: ([T, D] partial, 0), or with `pairs_ok` where the backend
-        serves it ([T * k, D] fp32 weighted pairs, k) for the shared down matmul to sum."""
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk ids [T, k], their weights [T, k]) from the router; the route hook sees the ids."""
         ids, weights = self.gate(x)
         if self.route_hook is not None:
             self.route_hook(ids)
+        return ids, weights
+
+    def _routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pairs_ok: bool
+    ) -> tuple[torch.Tensor, int]:
+        """The routed experts' output: ([T, D] partial, 0), or with `pairs_ok` where the backend
+        serves it ([T * k, D] fp32 weighted pairs, k) for the shared down matmul to sum."""
         experts = self.experts.weights()
         pairs = backend.moe_pairs(x, ids, weights, experts) if pairs_ok else None
         if pairs is not None:
