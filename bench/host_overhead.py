@@ -1,0 +1,130 @@
+"""How much of an engine step is host time: the K2.6 rank step (CUDA graphs on, as
+`bench_engine.py --cuda-graphs` runs it) against the device time of its graph alone, and where
+the host's time goes (cProfile of the same steps).
+
+    python bench/host_overhead.py --batches 1,10 --out host.json
+
+Per configuration (AR at each --batches, DDTree with the perfect oracle at --budgets):
+- step_ms: wall time of one engine step (host clock; a step ends with its device-to-host copy
+  of the tokens, so the device is done when it returns), median of --steps;
+- device_ms: the same steps measured on the device (events around each step), which counts
+  the device's idle time while the host prepares a replay;
+- replay_ms: the step's graph replayed back to back with the same inputs (device busy time);
+- host_top: cProfile's functions by total time over the profiled steps (us per step).
+step_ms - replay_ms is what the host adds to a step: input packing, the input copy, the
+replay launch, the token copy and the step's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from _util import environment, write_json  # noqa: E402
+from bench_engine import continuation_length, parse_args, setup  # noqa: E402
+
+from ddserve.engine import graphs as engine_graphs  # noqa: E402
+
+
+def _steps(step, sids, n: int) -> tuple[list[float], list[float]]:
+    """(host wall s, device s) of n steps."""
+    walls, evs = [], []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        step(sids)
+        b.record()
+        walls.append(time.perf_counter() - t0)
+        evs.append((a, b))
+    torch.cuda.synchronize()
+    return walls, [a.elapsed_time(b) / 1e3 for a, b in evs]
+
+
+def _replay_ms(g, reps: int = 20) -> float:
+    """Back-to-back replays of a step's graph (its inputs as last loaded)."""
+    g.graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def _host_top(step, sids, n: int, top: int = 15) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step(sids)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # tottime
+    return [
+        dict(
+            fn=f"{Path(f).name}:{line}:{name}",
+            calls_per_step=cc / n,
+            tot_us=tt / n * 1e6,
+            cum_us=ct / n * 1e6,
+        )  # fmt: skip
+        for (f, line, name), (cc, _, tt, ct, _) in rows
+    ]
+
+
+def main() -> None:
+    args = parse_args([*sys.argv[1:], "--cuda-graphs"])
+    bench, rep = setup(args)
+    runner = bench.runner
+    last: list = []  # the graph object each replay used
+    for cls in (engine_graphs._Graph, engine_graphs._VerifyGraph):
+        orig = cls.replay
+
+        def replay(self, *a, __orig=orig, **kw):
+            last[:] = [self]
+            return __orig(self, *a, **kw)
+
+        cls.replay = replay
+    c_max = max(args.batches)
+    # the oracle's continuation, long enough for every DDTree step timed or profiled below
+    bench.run_ar(bench.sids[:c_max], 0, continuation_length(args))
+    out = dict(env=environment(), layers=rep["layers"], prefix=args.prefix, configs=[])
+    confs = [("ar", c, None) for c in args.batches]
+    confs += [("ddtree", c, b) for c in args.batches for b in args.budgets]
+    for kind, c, budget in confs:
+        sids = bench.sids[:c]
+        if kind == "ar":
+            bench.rewind(sids)
+            runner.drafter, runner.cfg = None, bench.base_cfg
+            step = runner.ar_step
+        else:
+            bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
+            step = runner.ddtree_step
+        _steps(step, sids, args.warmup)
+        walls, devs = _steps(step, sids, args.steps)
+        replay = _replay_ms(last[0])
+        if kind == "ar":
+            bench.rewind(sids)
+        else:
+            bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
+        top = _host_top(step, sids, args.steps)
+        row = dict(kind=kind, batch=c, budget=budget, replay_ms=replay, host_top=top)
+        row.update(step_ms=statistics.median(walls) * 1e3, device_ms=statistics.median(devs) * 1e3)
+        out["configs"].append(row)
+        print(f"{kind} C={c} budget={budget}: step {row['step_ms']:.3f} ms, device "
+              f"{row['device_ms']:.3f}, replay {replay:.3f}", flush=True)  # fmt: skip
+        for t in top[:8]:
+            print(f"   {t['tot_us']:8.1f} us {t['calls_per_step']:6.1f}x  {t['fn']}")
+    runner.drafter, runner.cfg = None, bench.base_cfg
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
