@@ -182,3 +182,65 @@ def test_invariant_mode_accurate_across_tiles_and_splits():
         except AssertionError as e:
             failed.append(f"check {i}: {str(e)[:300]}")
     assert not failed, failed
+
+
+# ---- the split merge in the attention launch == the merge launch, bit for bit -----------------
+def _graph_table(meta):
+    """meta with its prefix-slot table as wide as the engine's CUDA graphs make it (the next
+    power of two > the longest prefix, at least 256): the last splits are empty for every row."""
+    width = max(256, 1 << int(meta.prefix_lens.max()).bit_length())
+    pad = meta.prefix_slots.new_zeros(meta.num_blocks, width - meta.prefix_slots.shape[1])
+    return type(meta)(**{**meta.__dict__, "prefix_slots": torch.cat([meta.prefix_slots, pad], 1)})
+
+
+@pytest.mark.parametrize("q_len", [1, 17], ids=["decode", "tree-17"])
+@pytest.mark.parametrize("streams", [1, 10])
+@pytest.mark.parametrize("prefix", [1000, 8100])
+def test_invariant_merge_in_launch_equals_merge_launch(prefix, streams, q_len):
+    """K2.x shapes (bf16, 8 heads, 512 + 64) with the splits merged in the attention launch and
+    in a second launch, each forced (FUSED_MERGE): the same bits, close to the reference.
+    Staggered prefixes end in different splits of the padded table."""
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    pls = [prefix - 97 * i for i in range(streams)]
+    q_lat, q_pe, kv, meta = inputs(pls, [q_len] * streams, seed=prefix + streams + q_len)
+    meta = _graph_table(meta).to("cuda")
+    outs = {f: tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, invariant=True,
+                                  config=dict(FUSED_MERGE=f)) for f in (True, False)}  # fmt: skip
+    rep = _diff_report(outs[True], outs[False])
+    print(prefix, streams, q_len, rep)
+    assert rep["bad_rows"] == 0, rep
+    ref = tree_mla_attention_ref(q_lat, q_pe, kv, meta, SCALE).float()
+    err = ((outs[True].float() - ref).norm() / ref.norm()).item()
+    assert err < TOL, err
+
+
+@pytest.mark.parametrize(
+    "case", [([1000], [1]), ([1000, 700, 30], [17, 17, 5])], ids=["decode", "trees"]
+)
+def test_invariant_merge_in_launch_replays_in_a_graph(case):
+    """The merge in the launch, captured in a CUDA graph and replayed with the same inputs: the
+    eager bits at every replay, with the output poisoned before each (a ticket not reset by
+    the last replay would merge a tile early or never), and every ticket 0 afterwards."""
+    from ddserve.kernels import invariant
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    pls, qls = case
+    q_lat, q_pe, kv, meta = inputs(pls, qls, seed=21)
+    meta = _graph_table(meta).to("cuda")
+    kw = dict(invariant=True, config=dict(FUSED_MERGE=True))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, tickets taken outside capture
+        eager = tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, **kw)
+    for i in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        rep = _diff_report(out, eager)
+        assert rep["bad_rows"] == 0, (i, rep)
+    torch.cuda.synchronize()
+    assert not invariant.scratch(out.device).tickets.any()
