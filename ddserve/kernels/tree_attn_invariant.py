@@ -8,19 +8,15 @@ tiles (BM), which small calls lower (`SMALL_BM`): no step of a row depends on it
 values are MMAs over keys, the softmax denominator too (`_row_sum`), the rest is per row). So a
 row's arithmetic depends on nothing but its query and its ordered keys: a verify row equals the
 AR decode row of the same token bit for bit, whatever else is batched. Splits are merged in
-split order by `_merge_splits`, in one of two places with the same bits (each element takes the
-same steps): a second launch (`_combine_kernel`, one program per row), or, for small decode
-calls (`merge_in_launch`), the attention launch itself, where the last split program of each
-row tile to take the tile's ticket merges its rows (`_merge_if_last`: `invariant._mm_kernel`'s
-in-launch split-K sum, its tickets from the same scratch). When the host shapes fit one split
-(P_max + Q_max <= SPLIT) the kernel writes the output itself, which is bitwise what the merge
-of one split gives (o * 1 + 0, then o / 1).
+split order by `_combine_kernel`; when the host shapes fit one split (P_max + Q_max <= SPLIT)
+the kernel writes the output itself, which is bitwise what the merge of one split gives (o * 1 +
+0, then o / 1).
 
 Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
 fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every
 BM=64 tile spills (>= 2 KB). SPLIT trades parallelism at small batches (short splits: more
 programs, fewer serial key tiles each) against partial-output traffic at large ones ([BM, R]
-fp32 per program and split, then merged). A split's key tiles run one after
+fp32 per program and split, merged by a second launch). A split's key tiles run one after
 another (~3-4 us each on an H200), so at one stream SPLIT sets the latency, while at ten streams
 verifying 17-row trees the partials dominate. Timed on an H200 with engine-shaped prefix tables
 (`bench_tree_attn.py --splits`, BENCHMARKS.md), SPLIT=256 against 512: decode at 1 stream and a
@@ -42,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.kernels import backend, invariant, pdl
+from ddserve.kernels import backend, pdl
 from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.tree_attn import TreeAttnMeta
@@ -148,76 +144,6 @@ def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, ns
 
 
 @triton.jit
-def _merge_splits(po_ptr, plse_ptr, row, ok, nsplit, R: tl.constexpr, BS: tl.constexpr):
-    """The merged outputs [N, R] (fp32) of rows `row` [N] (t * H + head) from their nsplit
-    partials: m = the max of the log-sum-exps (exact in any order), then acc and the denominator
-    summed in split order with weights exp2(lse - m), acc by explicit FMAs (nothing left for the
-    compiler to contract one way here and another there), res = acc / den. Empty splits
-    (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
-    splits, i.e. a larger nsplit, leave the bits unchanged; one split gives o exactly. Rows not
-    `ok` load nothing and get 0. Each element takes the same steps whatever N and BS, so both
-    merges (`_combine_kernel`, one row per program, and `_merge_if_last`, a row tile) give the
-    same bits. Loads go to L2 (.cg): in the launch that wrote them, the partials come from other
-    programs. No branch in the loops: the partial loads are independent and pipeline."""
-    dr = tl.arange(0, R)
-    base = row * nsplit  # [N] each row's first partial
-    m = tl.full(row.shape, float("-inf"), dtype=tl.float32)
-    for s0 in range(0, nsplit, BS):
-        ss = s0 + tl.arange(0, BS)
-        lses = tl.load(plse_ptr + base[:, None] + ss[None, :], mask=ok[:, None] & (ss < nsplit)[
-            None, :], other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        m = tl.maximum(m, tl.max(lses, 1))
-    m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
-    den = tl.zeros(row.shape, dtype=tl.float32)
-    acc = tl.zeros([row.shape[0], R], dtype=tl.float32)
-    for s in tl.range(0, nsplit, loop_unroll_factor=4):  # unrolled: loads run ahead
-        lse = tl.load(plse_ptr + base + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        live = lse > float("-inf")
-        o = tl.load(po_ptr + (base + s)[:, None] * R + dr[None, :], mask=live[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        w = tl.where(live, tl.exp2(lse - m), 0.0)
-        acc = tl.fma(o, w[:, None], acc)
-        den += w
-    return acc / tl.maximum(den, 1.0e-30)[:, None]
-
-
-@triton.jit
-def _merge_if_last(po_ptr, plse_ptr, out_ptr, ticket_ptr, pid, t, head, row_ok, nsplit,
-                   stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
-    """After a split program has stored its partials: take the row tile's ticket (pid; acq_rel at
-    GPU scope, after a barrier, so the whole program's stores are released with it); the tile's
-    last program (ticket nsplit - 1: every other split's partials are stored and acquired)
-    merges the tile's rows in split order, stores them and resets the ticket to 0 for the next
-    launch or graph replay."""
-    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
-    ticket = tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel")  # arrivals before this one
-    if ticket == nsplit - 1:
-        res = _merge_splits(po_ptr, plse_ptr, t * H + head, row_ok, nsplit, R, 16)  # [BM, R]
-        dr = tl.arange(0, R)
-        o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
-        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(ticket_ptr + pid, 0)
-
-
-@triton.jit
-def _zero_rows_in_no_block(out_ptr, q_starts_ptr, q_lens_ptr, chunk, nblocks, ntok,
-                           stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr,
-                           BM: tl.constexpr):  # fmt: skip
-    """0 in the rows (t * H + head) of the chunk-th BM rows of out whose token is in no block:
-    with the merge in the launch, no merge kernel writes them."""
-    r = chunk * BM + tl.arange(0, BM)  # [BM]
-    t = r // H
-    inside = tl.zeros([BM], dtype=tl.int32)
-    for b in range(0, nblocks):
-        q0 = tl.load(q_starts_ptr + b).to(tl.int32)
-        inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b).to(tl.int32))).to(tl.int32)
-    dr = tl.arange(0, R)
-    o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + (r % H)[:, None] * stride_oh
-    zero = tl.zeros([BM, R], dtype=out_ptr.dtype.element_ty)
-    tl.store(o_ptrs + dr[None, :], zero, mask=((t < ntok) & (inside == 0))[:, None])
-
-
-@triton.jit
 def _tail_tiles(
     q, qp, m, l_sum, acc, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
     mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
@@ -261,9 +187,7 @@ def prefetch_prefix_keys(
     prefetch_l2(tl.where(ok[:, None] & (line < ROW_LINES)[None, :], addr, kv_ptr))
 
 
-@triton.jit(
-    do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq", "nblocks", "ntok"]
-)
+@triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
     ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
     q_starts_ptr, q_lens_ptr, pslots_ptr, plens_ptr, bslots_ptr, mask_ptr,
@@ -273,19 +197,12 @@ def _tree_attn_inv_kernel(
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
     LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
-    ticket_ptr=None, nblocks=0, ntok=0, MERGE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows (`_shared_key_tile`); the tail tiles are done once per token with that token's keys
     (`_key_tile`, the same arithmetic).
     ROW_LINES > 0 (PDL launches of verify calls): the first row tile's program of each split
-    prefetches the split's prefix keys into L2 before waiting for the previous kernel.
-    MERGE (nsplit > 1): the split merge in this launch. Each split program of a row tile takes
-    the tile's ticket (ticket_ptr[pid]) once its partials are stored, and the last merges the
-    tile (`_merge_if_last`); programs past the nblocks * tiles row tiles write 0 in the rows of
-    the ntok tokens that are in no block. Those programs have no block, so there is no prefetch
-    with MERGE."""
-    tl.static_assert(not (MERGE and ROW_LINES > 0), "zero programs have no keys to prefetch")
+    prefetches the split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // tiles
@@ -295,12 +212,6 @@ def _tree_attn_inv_kernel(
             prefetch_prefix_keys(kv_ptr, pslots_ptr, plens_ptr, b, split * SPLIT, stride_ps,
                                  stride_kv, ROW_LINES, LINE_PAD, LINE_STEP, SPLIT)  # fmt: skip
     pdl_begin(PDL)
-    if MERGE:
-        if pid >= nblocks * tiles:  # past the row tiles: BM rows per (program, split)
-            chunk = (pid - nblocks * tiles) * nsplit + split
-            _zero_rows_in_no_block(out_ptr, q_starts_ptr, q_lens_ptr, chunk, nblocks, ntok,
-                                   stride_ot, stride_oh, H, R, BM)  # fmt: skip
-            return
     q0 = tl.load(q_starts_ptr + b).to(tl.int32)  # 32-bit index arithmetic from here on
     qlen = tl.load(q_lens_ptr + b).to(tl.int32)
     plen = tl.load(plens_ptr + b).to(tl.int32)
@@ -316,9 +227,6 @@ def _tree_attn_inv_kernel(
         if nsplit > 1:
             prow = (t * H + head) * nsplit + split
             tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
-        if MERGE:  # the tile's other splits count on this one's ticket
-            _merge_if_last(po_ptr, plse_ptr, out_ptr, ticket_ptr, pid, t, head, row_ok, nsplit,
-                           stride_ot, stride_oh, H, R)  # fmt: skip
         return
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
@@ -357,9 +265,6 @@ def _tree_attn_inv_kernel(
     )  # fmt: skip
     _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
             stride_ot, stride_oh, H, R)  # fmt: skip
-    if MERGE:
-        _merge_if_last(po_ptr, plse_ptr, out_ptr, ticket_ptr, pid, t, head, row_ok, nsplit,
-                       stride_ot, stride_oh, H, R)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "nblocks"])
@@ -367,29 +272,48 @@ def _combine_kernel(
     po_ptr, plse_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, BS: tl.constexpr = 64,
 ):  # fmt: skip
-    """The split merge as a second launch, one program per (token, head) row (`_merge_splits`
-    on a row tile of one). A row in no block (q_starts / q_lens) has no partials: it gets 0."""
+    """Merge a row's split partials: m = the max of the log-sum-exps (exact in any order), then
+    acc and the denominator summed in split order with weights exp2(lse - m). Empty splits
+    (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
+    splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
+    branch in the loops: the partial loads are independent and pipeline. A row in no block
+    (q_starts / q_lens) has no partials written: it gets 0."""
     pdl_begin(PDL)
-    # [1] t * H + head, int64: row * NSPLIT * R can pass 2^31
-    row = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
-    inside = tl.zeros([1], dtype=tl.int32)
+    inside = tl.zeros([], dtype=tl.int32)
     for b in range(0, nblocks):  # a few blocks per call (the batch); O(blocks) per program
         q0 = tl.load(q_starts_ptr + b)
         inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b))).to(tl.int32)
-    res = _merge_splits(po_ptr, plse_ptr, row, inside > 0, NSPLIT, R, BS)  # [1, R]
-    o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty))
+    if inside == 0:
+        tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, tl.zeros([R], tl.float32).to(
+            out_ptr.dtype.element_ty))  # fmt: skip
+        return
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ss = s0 + tl.arange(0, BS)
+        lses = tl.load(plse_ptr + row * NSPLIT + ss, mask=ss < NSPLIT, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lses, 0))
+    m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
+    den = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([R], dtype=tl.float32)
+    for s in tl.range(0, NSPLIT, loop_unroll_factor=4):  # unrolled: loads run ahead
+        lse = tl.load(plse_ptr + row * NSPLIT + s)
+        live = lse > float("-inf")
+        o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr, mask=dr < tl.where(live, R, 0), other=0.0)
+        w = tl.where(live, tl.exp2(lse - m), 0.0)
+        acc += o * w
+        den += w
+    res = acc / tl.maximum(den, 1.0e-30)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
 
 # The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
-# FUSED_MERGE (True, False or "auto": `merge_in_launch`) says where the splits are merged; both
-# places give the same bits.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, FUSED_MERGE="auto")
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
 # Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
@@ -412,48 +336,6 @@ def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
     rows = q_max * heads  # padded rows per block
     grid = nblocks * triton.cdiv(rows, SMALL_BM) * nsplit
     return min(bm, SMALL_BM) if rows <= SMALL_BM or grid <= SMALL_BM_PROGRAMS else bm
-
-
-# The split merge in the attention launch (`_merge_if_last`) saves `_combine_kernel`'s launch
-# (~2.5 us per call at one decode stream on an H200), but there a row tile's last split program
-# reads the tile's rows x nsplit x R fp32 partials alone, where the merge launch spreads them
-# over T x H programs, one row each. So "auto" merges in the launch for decode calls (Q_max =
-# 1; verify calls keep their PDL key prefetch, which the in-launch merge goes without) whose
-# tile read is at most MERGE_MAX_BYTES (host shapes: min(BM, H) rows, the prefix table's
-# splits; padding rows and empty splits load nothing, so the bytes read are fewer). At K2.x
-# widths (H = 8, R = 512, SPLIT = 256): prefix tables of up to 2k slots (9 splits, 144 KiB),
-# at any number of streams (each stream's tile merges on its own SM). The bound is an estimate
-# (one program streaming partials from L2 at ~100 GB/s: ~1.5 us for 144 KiB), to be checked by
-# timing both ways (`bench_tree_attn.py --splits 256/FUSED_MERGE=0,256/FUSED_MERGE=1`).
-MERGE_MAX_BYTES = 160 << 10
-
-
-def merge_in_launch(q_max: int, heads: int, nsplit: int, bm: int, r: int, mode="auto") -> bool:
-    """Whether a call merges its splits in the attention launch, from its host shapes and
-    `mode` (FUSED_MERGE: True, False, or "auto": decode calls whose tile of partials is within
-    MERGE_MAX_BYTES). A single split has nothing to merge."""
-    if mode not in (True, False, "auto"):
-        raise ValueError(f"FUSED_MERGE must be True, False or 'auto', got {mode!r}")
-    if nsplit == 1:
-        return False
-    if mode != "auto":
-        return bool(mode)
-    return q_max == 1 and min(bm, heads) * nsplit * r * 4 <= MERGE_MAX_BYTES
-
-
-def _prefetch_lines(kv_cache: torch.Tensor, q_max: int, launch: dict) -> int:
-    """128-byte lines per cache row that the launch prefetches (0: none). Verify calls (q_max >
-    1, not a prompt chunk) under PDL prefetch their prefix keys (cache rows that start on
-    128-byte lines). Decode calls do not: on an H200 (profile_step --variants, K2.6 rank slice)
-    the prefetch took a 10-stream decode forward from 9.90 to 10.35 ms and left one stream's
-    unchanged, while 10 streams verifying gained 0.15 ms. Prompt chunks do not either: their
-    prefixes can be far larger than L2."""
-    esize = kv_cache.element_size()
-    verify = q_max > 1 and not backend.in_prefill_phase()
-    aligned = kv_cache.data_ptr() % 128 == 0 and kv_cache.stride(0) * esize % 128 == 0
-    if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
-        return triton.cdiv(kv_cache.shape[1] * esize, 128)
-    return 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -488,29 +370,32 @@ def tree_mla_attention_invariant(
     if "BM" not in (config or {}):
         cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
     tiles = triton.cdiv(q_max * h, cfg["BM"])
-    merge = merge_in_launch(q_max, h, nsplit, cfg["BM"], r, cfg["FUSED_MERGE"])
     if nsplit == 1 or t == 0 or nblocks == 0:
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
         po = plse = out  # unused placeholders
     else:
-        # every row is written: a block's by the merge, the others (0) by `_combine_kernel` or
-        # the launch's zero programs; every (row, split) of a block gets its partial's lse from
-        # its program (-inf for an empty split), so no fill launch
+        # the merge writes every row (0 in no block); every (row, split) of a block gets its
+        # partial's lse from its program (-inf for an empty split), so no fill launch
         out = torch.empty_like(q_latent)
         po = torch.empty(t, h, nsplit, r, dtype=torch.float32, device=q_latent.device)
         plse = torch.empty(t, h, nsplit, dtype=torch.float32, device=out.device)
     if t == 0 or nblocks == 0:
         return out
-    tickets, zero_programs = None, 0
-    if merge:  # one ticket per row tile, 0 between launches (the split matmuls' scratch)
-        tickets = invariant.scratch(out.device).take(0, nblocks * tiles, out.device)[1]
-        zero_programs = triton.cdiv(triton.cdiv(t * h, cfg["BM"]), nsplit)  # BM rows per split
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
     pslots = meta.prefix_slots
     launch = pdl.launch_options(q_latent.device)
-    lines = 0 if merge else _prefetch_lines(kv_cache, q_max, launch)
+    # Verify calls (q_max > 1, not a prompt chunk) under PDL prefetch their prefix keys (cache
+    # rows that start on 128-byte lines). Decode calls do not: on an H200 (profile_step
+    # --variants, K2.6 rank slice) the prefetch took a 10-stream decode forward from 9.90 to
+    # 10.35 ms and left one stream's unchanged, while 10 streams verifying gained 0.15 ms.
+    # Prompt chunks do not either: their prefixes can be far larger than L2.
+    lines = 0
     esize = kv_cache.element_size()
-    _tree_attn_inv_kernel[(nblocks * tiles + zero_programs, nsplit)](
+    verify = q_max > 1 and not backend.in_prefill_phase()
+    aligned = kv_cache.data_ptr() % 128 == 0 and kv_cache.stride(0) * esize % 128 == 0
+    if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
+        lines = triton.cdiv(kv_cache.shape[1] * esize, 128)
+    _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
         q_latent, q_rope, kv_cache, out, po, plse,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
         softmax_scale * math.log2(math.e), tiles, nsplit,
@@ -520,10 +405,9 @@ def tree_mla_attention_invariant(
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
         OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31,
-        ticket_ptr=tickets, nblocks=nblocks, ntok=t, MERGE=merge,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
-    if nsplit > 1 and not merge:
+    if nsplit > 1:
         _combine_kernel[(t * h,)](
             po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
             nsplit, H=h, R=r, **launch,

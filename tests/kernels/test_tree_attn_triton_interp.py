@@ -15,10 +15,7 @@ Most checks share one batch (`_mixed`, computed once): 2 heads, 16-row tiles, 16
 32-key splits, blocks whose keys fill 1, 2, 3 and all 4 of the call's splits (a block without
 prefix, a decode row alone in its last split, a tree whose tail crosses a split), and rows in no
 block (a gap and a tail). It is float32, so that every bit of the fp32 split merge reaches the
-output (a bf16 output hides most last-bit differences); the other AR cases are bfloat16. At
-these small widths FUSED_MERGE="auto" merges decode calls' splits in the attention launch (the
-AR twins'; the interpreter runs the programs one after another, the tickets included); the
-merge-path checks force each way, and the two must give the same bits.
+output (a bf16 output hides most last-bit differences); the other AR cases are bfloat16.
 """
 
 from __future__ import annotations
@@ -154,18 +151,15 @@ def check_default_mode_matches_the_reference():
 
 
 def check_rows_in_no_block_are_zero(case: str):
-    """0 in the rows of tokens in no block: written by the launch's zero programs ("in_launch":
-    the mixed batch, 4 splits merged in the attention launch) or the merge launch
-    ("merge_launch"), or the output's fill where the kernel writes the rows itself ("one_split":
+    """0 in the rows of tokens in no block: written by the split merge ("splits": the mixed
+    batch, 4 splits), or the output's fill where the kernel writes the rows itself ("one_split":
     blocks 0 and 1 of the mixed batch, 25 and 4 keys, a gap between them and a tail; their rows
     are those of the mixed batch)."""
     import torch
     from _tree_inputs import select_blocks
 
-    q, qp, kv, padded, meta, rows, out = _mixed()
-    if case != "one_split":
-        out = _attn(q, qp, kv, padded, dict(SMALL, FUSED_MERGE=case == "in_launch"))
-    else:
+    q, qp, kv, _, meta, rows, out = _mixed()
+    if case == "one_split":
         sub, idx = select_blocks(meta, [0, 1])
         full = out[rows][idx]  # [T0, H, R] the two blocks' rows in the mixed batch
         q, qp, padded, rows = _with_rows_in_no_block(q[rows][idx], qp[rows][idx], sub, 1, GAP, TAIL)
@@ -176,60 +170,16 @@ def check_rows_in_no_block_are_zero(case: str):
     assert int(outside.sum()) == GAP + TAIL and (out[outside] == 0).all()
 
 
-def check_every_partial_the_merge_reads_is_written(in_launch: bool):
+def check_every_partial_the_merge_reads_is_written():
     """The mixed batch with its output and partials allocated holding 1e4 instead of NaN: the
-    same bits, with the merge in the launch or in its own. A split past a block's keys must
-    write its -inf lse: an unwritten one reads as a live split of weight 1 here (as NaN it would
-    pass for an empty one); so must every row of the output (0 in no block)."""
+    same bits. A split past a block's keys must write its -inf lse: an unwritten one reads as a
+    live split of weight 1 here (as NaN it would pass for an empty one)."""
     import torch
 
     q, qp, kv, meta, *_, out = _mixed()
     with _floats_from_empty_filled_with(1.0e4):
-        again = _attn(q, qp, kv, meta, dict(SMALL, FUSED_MERGE=in_launch))
+        again = _attn(q, qp, kv, meta)
     assert torch.equal(again, out)
-
-
-def _padded_table(meta, width: int):
-    """meta with its prefix-slot table `width` wide, as the engine's graphs pad it: splits past
-    every row's keys."""
-    import torch
-
-    pad = meta.prefix_slots.new_zeros(meta.num_blocks, width - meta.prefix_slots.shape[1])
-    return type(meta)(**{**meta.__dict__, "prefix_slots": torch.cat([meta.prefix_slots, pad], 1)})
-
-
-# heads, prefix lengths, tree lengths, prefix table width (0: the longest prefix), rows in no
-# block after the last block (0: none; else also GAP before block 2)
-MERGE_CASES = {
-    "mixed": None,  # the mixed batch, rows in no block included
-    # decode rows in 5 splits: every row's keys end in split 0, 1 or 2, the rest are empty; 52
-    # rows in no block: 2 programs past the row tiles zero them
-    "decode": (2, [0, 5, 33, 70, 64, 31], [1] * 6, 128, 50),
-    # 9 row tiles per block: block 1's last 8 have no rows (no tickets), its split 1 is empty
-    "8_heads": (8, [40, 3], [18, 2], 0, 0),
-}
-
-
-def check_merge_in_launch_gives_the_merge_launch_bits(case: str):
-    """The same call with its splits merged in the attention launch and in a second launch: the
-    same bits (float32 outputs), both close to the reference, and every ticket back at 0."""
-    from ddserve.kernels import invariant
-    from ddserve.kernels.tree_attn import tree_mla_attention_ref
-
-    if case == "mixed":
-        q, qp, kv, meta, *_ = _mixed()
-    else:
-        heads, pls, qls, width, tail = MERGE_CASES[case]
-        q, qp, kv, meta = _case(pls, qls, heads, seed=len(pls), dtype="float32")
-        meta = _padded_table(meta, width) if width else meta
-        if tail:
-            q, qp, meta, _ = _with_rows_in_no_block(q, qp, meta, 2, GAP, tail)
-    merged = {f: _attn(q, qp, kv, meta, dict(SMALL, FUSED_MERGE=f)) for f in (True, False)}
-    bad = (merged[True] != merged[False]).flatten(1).any(1)  # [T] rows that differ
-    assert not bad.any(), dict(bad_rows=int(bad.sum()))
-    ref = tree_mla_attention_ref(q, qp, kv, meta, SCALE)
-    assert ((merged[True] - ref).norm() / ref.norm()).item() < 1e-2
-    assert not invariant.scratch(q.device).tickets.any()
 
 
 def check_tree_rows_equal_ar_rows(case: str):
@@ -263,12 +213,9 @@ CASES = (
     [("invariant_mode_matches_the_reference", check_invariant_mode_matches_the_reference, ()),
      ("default_mode_matches_the_reference", check_default_mode_matches_the_reference, ())]
     + [(f"rows_in_no_block_are_zero[{c}]", check_rows_in_no_block_are_zero, (c,))
-       for c in ("in_launch", "merge_launch", "one_split")]
-    + [(f"every_partial_the_merge_reads_is_written[{m}]",
-        check_every_partial_the_merge_reads_is_written, (m == "in_launch",))
-       for m in ("in_launch", "merge_launch")]
-    + [(f"merge_in_launch_gives_the_merge_launch_bits[{c}]",
-        check_merge_in_launch_gives_the_merge_launch_bits, (c,)) for c in MERGE_CASES]
+       for c in ("splits", "one_split")]
+    + [("every_partial_the_merge_reads_is_written",
+        check_every_partial_the_merge_reads_is_written, ())]
     + [(f"tree_rows_equal_ar_rows[{c}]", check_tree_rows_equal_ar_rows, (c,)) for c in AR_CASES]
     + [("rows_do_not_depend_on_the_batch", check_rows_do_not_depend_on_the_batch, ()),
        ("rows_do_not_depend_on_the_row_tile_height",
@@ -314,56 +261,3 @@ def test_row_tile_is_small_for_decode_and_small_grids():
     assert row_tile(nblocks=1, q_max=17, heads=8, nsplit=65, bm=32) == 16  # 16k slots
     assert row_tile(nblocks=2, q_max=17, heads=8, nsplit=65, bm=32) == 32
     assert row_tile(nblocks=1, q_max=1, heads=8, nsplit=9, bm=16) == 16
-
-
-def test_merge_in_launch_for_decode_with_small_tiles_of_partials():
-    """`merge_in_launch`: "auto" merges decode calls in the attention launch while a row tile's
-    partials stay within MERGE_MAX_BYTES (K2.x widths: up to 9 splits), never verify calls;
-    True and False force a way; one split merges nowhere."""
-    from ddserve.kernels.tree_attn_invariant import merge_in_launch
-
-    assert merge_in_launch(q_max=1, heads=8, nsplit=9, bm=16, r=512)  # decode, 2k slots
-    assert merge_in_launch(q_max=1, heads=2, nsplit=4, bm=16, r=128)  # the interpreter's decode
-    assert not merge_in_launch(q_max=1, heads=8, nsplit=33, bm=16, r=512)  # decode, 8k slots
-    assert not merge_in_launch(q_max=17, heads=8, nsplit=2, bm=16, r=512)  # a tree
-    assert merge_in_launch(q_max=17, heads=8, nsplit=33, bm=32, r=512, mode=True)
-    assert not merge_in_launch(q_max=1, heads=8, nsplit=9, bm=16, r=512, mode=False)
-    assert not merge_in_launch(q_max=1, heads=8, nsplit=1, bm=16, r=512, mode=True)
-    with pytest.raises(ValueError):
-        merge_in_launch(q_max=1, heads=8, nsplit=9, bm=16, r=512, mode="yes")
-
-
-def test_merge_in_launch_ptx_touches_memory_after_its_wait():
-    """The kernel with the merge in its launch, compiled for sm_90 under PDL (as
-    tests/kernels/test_pdl.py compiles it without): it compiles, its zero programs and split
-    programs store, take tickets and load partials only after the wait, and the tickets are
-    acq_rel atomics at GPU scope."""
-    import re
-
-    pytest.importorskip("triton.backends.nvidia.compiler", reason="no CUDA backend in triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from ddserve.kernels import tree_attn_invariant as ta
-
-    kernel = ta._tree_attn_inv_kernel
-    ptrs = dict(ql_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", out_ptr="*bf16", po_ptr="*fp32",
-                plse_ptr="*fp32", q_starts_ptr="*i64", q_lens_ptr="*i64", pslots_ptr="*i64",
-                plens_ptr="*i64", bslots_ptr="*i64", mask_ptr="*u8", ticket_ptr="*i32")  # fmt: skip
-    ints = ("tiles", "nsplit", "stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_kv",
-            "stride_ot", "stride_oh", "stride_ps", "stride_mb", "stride_mq", "nblocks",
-            "ntok")  # fmt: skip
-    sig = {**ptrs, "scale_log2": "fp32", **dict.fromkeys(ints, "i32")}
-    consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=0, LINE_PAD=1,
-                  LINE_STEP=64, OFF64=False, MERGE=True)  # fmt: skip
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    aligned = [n for n in (*ptrs, *ints) if n not in kernel.do_not_specialize]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": 8, "num_stages": 3, "launch_pdl": True}
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]
-    first_wait = ptx.find("griddepcontrol.wait")
-    first_access = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.)", ptx)
-    assert 0 <= first_wait < first_access.start()
-    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 2  # empty and full splits
