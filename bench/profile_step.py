@@ -21,8 +21,9 @@ layer, the graph's wall time and its gaps between kernels. --variants profiles e
 under several kernel launch variants in one process (same weights, same inputs): "default"
 (programmatic dependent launch with its L2 prefetches), "no-<kernel>-prefetch" (matmul, router,
 attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
-stream) and "side-first" (the shared expert's branch forked before the router instead of after
-it: `side_first_moe_forward`).
+stream), "side-first" (the shared expert's branch forked before the router instead of after
+it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
+launch of its own and the query's RoPE in `mla_rope_cache`).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -51,12 +52,14 @@ from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from ddserve.kernels import backend, pdl  # noqa: E402
+from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
 # launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all;
 # the shared expert on the main stream (no side stream)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
-            "no-prefetch", "no-pdl", "no-side-stream", "side-first")  # fmt: skip
+            "no-prefetch", "no-pdl", "no-side-stream", "side-first",
+            "no-latent-fusion")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -110,7 +113,11 @@ def category(path: str, mlp_kind: str | None, kernel: str) -> str:
 # Methods that launch a submodule's work outside that submodule's forward, annotated as it:
 # MLA's q_a_proj + kv_a_proj_with_mqa as one matmul on the CUDA invariant path; the MoE calls its
 # shared expert's gate/up + SiLU (`DenseMLP.activation`) and down_proj, not its forward.
-METHODS = {"_down_projections": "kv_a_proj_with_mqa", "activation": "activation"}
+METHODS = {
+    "_down_projections": "kv_a_proj_with_mqa",
+    "_query_rope": "q_b_proj",
+    "activation": "activation",
+}
 
 
 @contextlib.contextmanager
@@ -341,12 +348,16 @@ def use_router_fma() -> None:
 def variant(runner, name: str):
     """The runner's kernel configuration and the PDL prefetches set for one launch variant."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
+    attention = [m for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
     elif name == "no-side-stream":
         runner.kernels = dataclasses.replace(kernels, side_stream=False)
     elif name == "side-first":
         MoE.forward = side_first_moe_forward
+    elif name == "no-latent-fusion":
+        for mod in attention:
+            mod.latent_fusion = False
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
@@ -355,6 +366,8 @@ def variant(runner, name: str):
         yield
     finally:
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
+        for mod in attention:
+            mod.latent_fusion = True
 
 
 def side_first_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:

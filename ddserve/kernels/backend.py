@@ -8,7 +8,8 @@ CPU, any dtype (and float32 activations on CUDA for attention and the MoE): the 
 - routed experts: `moe_ref.moe_ref` (INT4 experts dequantized once to float32 by the model)
 - linear, bmm_heads, rms_norm: `invariant_ref` (torch); row_sum: `invariant_ref.fixed_order_sum`
   in batch-invariant mode, torch's sum otherwise
-- add_rms_norm, mla_rope_cache, silu_mul: `fused_ref`'s torch sequences (the unfused model's ops)
+- add_rms_norm, mla_rope_cache, mla_latent, linear_rope, silu_mul: `fused_ref`'s torch sequences
+  (the unfused model's ops)
 
 CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - linear, bmm_heads (any float dtype): `invariant._mm_kernel` (a configuration that splits K
@@ -18,6 +19,10 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - rms_norm: `invariant._rms_kernel`; row_sum of <= 8 float32 values: `invariant.row_sum8`
 - add_rms_norm (residual add + RMSNorm): `fused._add_rms_kernel`
 - mla_rope_cache (kv_a_layernorm, RoPE, cache write; 16-bit cache): `fused._mla_rope_cache_kernel`
+- where `fuses_mla_latent` holds (MLA's q_b matmul configuration has one column tile per head's
+  rope part: decode and verify forwards at K2.6 shapes), MLA runs instead mla_latent
+  (q_a_layernorm, kv_a_layernorm, RoPE of k_pe, cache write): `fused._mla_latent_kernel`, and
+  linear_rope (q_b_proj with the query's RoPE in the epilogue): `invariant._mm_kernel` (ROPE)
 - silu_mul: `fused._silu_mul_kernel`
 - route (the MoE router, any float activations): `router._gate_partials_kernel` + `_select_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
@@ -420,6 +425,69 @@ def mla_rope_cache(
     if kernels and kv_cache.dtype in HALF and norm_weight.dtype == q.dtype == kv.dtype:
         return kernels.mla_rope_cache(*args)
     return mla_rope_cache_ref(*args, rms_norm=rms_norm)
+
+
+def fuses_mla_latent(
+    q_a: torch.Tensor, kv_cache: torch.Tensor, q_b: torch.Tensor, nope: int, rope_dim: int
+) -> bool:
+    """Whether `mla_latent` and `linear_rope` each run as one launch for MLA's operands (q_a
+    [T, q_lora], the latent cache [S, R + P], q_b_proj's weight [H * (nope + P), q_lora]):
+    16-bit q_a and cache on CUDA in batch-invariant mode, both norms in one launch's warps
+    (`fused.mla_latent_fits`), each head's rope part one column tile of q_b's matmul
+    configuration in the current phase (`invariant.rope_tiles_fit`). Then they replace
+    `rms_norm` + `linear` + `mla_rope_cache`, one launch fewer, the same bits."""
+    fused = _fused_for("mla_latent", q_a)
+    inv = _invariant_for("linear_rope", q_a)
+    split = bool(fused and inv and kv_cache.dtype in HALF and q_b.dtype == q_a.dtype)
+    if split:
+        n, k = q_b.shape
+        split = fused.mla_latent_fits(q_a.shape[-1], kv_cache.shape[-1] - rope_dim)
+        split = split and inv.rope_tiles_fit(n, k, q_a.dtype, nope, rope_dim)
+    phase = "prompt chunks" if _prefill else "decode / verify"
+    _note(f"MLA latent path ({phase})", "mla_latent + linear_rope" if split else "mla_rope_cache")
+    return split
+
+
+def mla_latent(
+    q_a: torch.Tensor,  # [T, q_lora]
+    q_norm_weight: torch.Tensor,  # [q_lora]
+    q_eps: float,
+    kv: torch.Tensor,  # [T, R + P]
+    norm_weight: torch.Tensor,  # [R]
+    eps: float,
+    cos: torch.Tensor,  # [T, P]
+    sin: torch.Tensor,  # [T, P]
+    kv_cache: torch.Tensor,  # [S, R + P]
+    slots: torch.Tensor,  # [T]
+    interleave: bool,
+) -> torch.Tensor:  # [T, q_lora]
+    """MLA's latent path with the query's norm (`fused_ref.mla_latent_ref`): writes
+    kv_cache[slots] = [rms_norm(c_kv) | rope(k_pe)] in the cache's dtype, returns
+    rms_norm(q_a); fused where `fuses_mla_latent`'s conditions on it hold."""
+    from ddserve.kernels.fused_ref import mla_latent_ref
+
+    kernels = _fused_for("mla_latent", kv)
+    args = (q_a, q_norm_weight, q_eps, kv, norm_weight, eps, cos, sin, kv_cache, slots, interleave)
+    one_dtype = q_a.dtype == q_norm_weight.dtype == norm_weight.dtype == kv.dtype
+    if kernels and kv_cache.dtype in HALF and one_dtype:
+        if kernels.mla_latent_fits(q_a.shape[-1], norm_weight.shape[0]):
+            return kernels.mla_latent(*args)
+    return mla_latent_ref(*args, rms_norm=rms_norm)
+
+
+def linear_rope(
+    x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int,
+    interleave: bool,
+) -> torch.Tensor:  # fmt: skip
+    """x [T, K] @ w [H * (nope + P), K]^T with each head's last P columns rotated
+    (`fused_ref.linear_rope_ref`); one launch where `invariant.rope_tiles_fit`."""
+    from ddserve.kernels.fused_ref import linear_rope_ref
+
+    kernels = _invariant_for("linear_rope", x)
+    n, k = w.shape
+    if kernels and kernels.rope_tiles_fit(n, k, x.dtype, nope, cos.shape[-1]):
+        return kernels.linear_rope(x, w, cos, sin, nope, interleave)
+    return linear_rope_ref(x, w, cos, sin, nope, interleave, linear=linear)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

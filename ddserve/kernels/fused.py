@@ -9,6 +9,10 @@ whatever the row count; each reproduces the arithmetic of the torch sequence it 
   from the block layout, so `n` equals `invariant.rms_norm(s)` bit for bit).
 - `mla_rope_cache`: MLA's latent path (kv_a_layernorm of c_kv as `_rms_kernel`, RoPE of k_pe,
   cast, scattered to the cache rows) and the query's RoPE in one launch.
+- `mla_latent`: the same latent path with q_a_layernorm (as `_rms_kernel`) instead of the
+  query's RoPE, launched right after the q_a | kv_a matmul; the query's RoPE then runs in the
+  q_b matmul's epilogue (`invariant.linear_rope`). Both norms reduce with `_rms_kernel`'s
+  block and warps, so it serves ranks whose blocks get the same warps (`mla_latent_fits`).
 - `silu_mul`: silu(gate) in fp32 with torch's formula (x / (1 + exp(-x)), libdevice expf, IEEE
   division) rounded, times up, rounded.
 
@@ -23,7 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ddserve.kernels import pdl
-from ddserve.kernels.invariant import _canonical
+from ddserve.kernels.invariant import _canonical, _rope_lane
 from ddserve.kernels.pdl import _interpreting
 from ddserve.kernels.pdl import begin as pdl_begin
 
@@ -80,19 +84,6 @@ def add_rms_norm(
 
 
 @triton.jit
-def _mul_rn(a, b, INTERPRET: tl.constexpr):
-    """a * b in fp32 as PTX `mul.rn.f32` (no flush of denormals, as torch's kernels): the
-    compiler would otherwise contract the 16-bit product and the add after it into one fma, one
-    rounding instead of torch's two. The interpreter runs no PTX."""
-    if INTERPRET:
-        return a * b
-    else:
-        return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
-        )
-
-
-@triton.jit
 def _rope(x_ptr, j, P: tl.constexpr, ok, c, s, INTERLEAVE: tl.constexpr, INTERPRET: tl.constexpr):
     """`fused_ref.apply_rope` on the P values at x_ptr (output lanes j, any shape): x' is x
     de-interleaved or not; out = round(x' * cos) + round(rotate_half(x') * sin), rounded."""
@@ -106,11 +97,24 @@ def _rope(x_ptr, j, P: tl.constexpr, ok, c, s, INTERLEAVE: tl.constexpr, INTERPR
         src, src_partner = j, partner
     a = tl.load(x_ptr + src, mask=ok, other=0.0)
     b = tl.load(x_ptr + src_partner, mask=ok, other=0.0).to(tl.float32)
-    b = tl.where(lo, -b, b)
-    dt = a.dtype
-    first = _mul_rn(a.to(tl.float32), c, INTERPRET).to(dt).to(tl.float32)
-    second = _mul_rn(b, s, INTERPRET).to(dt).to(tl.float32)
-    return (first + second).to(dt)
+    return _rope_lane(a, tl.where(lo, -b, b), c, s, INTERPRET)
+
+
+@triton.jit
+def _latent_row(
+    kv_row, w_ptr, dst, c, s, j, j_ok, R, eps, P: tl.constexpr, BLOCK_R: tl.constexpr,
+    INTERLEAVE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """A token's cache row dst = [rms_norm(kv[:R]) | rope(kv[R:])] in the cache's dtype: the
+    kv_a_layernorm of c_kv as `invariant._rms_kernel` on a row of R (same BLOCK and warps),
+    the RoPE of k_pe at lanes j with the token's cos/sin c, s (fp32)."""
+    cols = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    ok = cols < R
+    x = tl.load(kv_row + cols, mask=ok, other=0.0).to(tl.float32)
+    c_kv = _rms_row(x, w_ptr, cols, ok, R, eps, kv_row.dtype.element_ty)  # [BLOCK_R]
+    tl.store(dst + cols, c_kv.to(dst.dtype.element_ty), mask=ok)
+    k_pe = _rope(kv_row + R, j, P, j_ok, c, s, INTERLEAVE, INTERPRET)  # [BP]
+    tl.store(dst + R + j, k_pe.to(dst.dtype.element_ty), mask=j_ok)
 
 
 @triton.jit
@@ -125,21 +129,13 @@ def _mla_rope_cache_kernel(
     dtype; qpe[t] = rope(q[t, :, Q_OFF:]) [H, P]. cos/sin and qpe are contiguous."""
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
-    kv_row = kv_ptr + row * skv
-    # kv_a_layernorm of c_kv: `invariant._rms_kernel` on a row of R (same BLOCK and warps)
-    cols = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    ok = cols < R
-    x = tl.load(kv_row + cols, mask=ok, other=0.0).to(tl.float32)
-    c_kv = _rms_row(x, w_ptr, cols, ok, R, eps, kv_ptr.dtype.element_ty)  # [BLOCK_R]
-    dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * scache
-    tl.store(dst + cols, c_kv.to(cache_ptr.dtype.element_ty), mask=ok)
-    # RoPE of k_pe, the last P values of the row
     j = tl.arange(0, BLOCK_P)  # [BP]
     j_ok = j < P
     c = tl.load(cos_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
-    k_pe = _rope(kv_row + R, j, P, j_ok, c, s, INTERLEAVE, INTERPRET)  # [BP]
-    tl.store(dst + R + j, k_pe.to(cache_ptr.dtype.element_ty), mask=j_ok)
+    dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * scache
+    _latent_row(kv_ptr + row * skv, w_ptr, dst, c, s, j, j_ok, R, eps, P, BLOCK_R, INTERLEAVE,
+                INTERPRET)  # fmt: skip
     # RoPE of the query heads' rope parts, q[t, h, Q_OFF:]
     h = tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
     jj = j[None, :]  # [1, BP]
@@ -162,15 +158,10 @@ def mla_rope_cache(
 ) -> torch.Tensor:  # [T, H, P] contiguous
     """`fused_ref.mla_rope_cache_ref` (with `invariant.rms_norm` as the norm) in one launch."""
     t, heads, qd = q.shape
-    rank, p = norm_weight.shape[0], cos.shape[-1]
-    assert kv.dtype in HALF and q.dtype == kv.dtype == cos.dtype == sin.dtype, "16-bit, one dtype"
-    assert norm_weight.dtype == kv.dtype, "kv_a_layernorm in the activations' dtype"
-    assert p >= 2 and p % 2 == 0, f"rope dim {p} must be even"
-    assert kv.shape == (t, rank + p) and kv_cache.shape[-1] == rank + p and qd >= p, "shapes"
-    assert cos.shape == sin.shape == (t, p) and slots.shape == (t,), "cos / sin / slots"
-    assert kv.stride(-1) == 1 and q.stride(-1) == 1 and kv_cache.stride(-1) == 1, "unit stride"
-    kv2, (skv, _) = _canonical(kv)  # the c_kv loads vectorise as `invariant.rms_norm`'s
-    cos, sin = cos.contiguous(), sin.contiguous()
+    p = cos.shape[-1]
+    assert q.dtype == kv.dtype and q.stride(-1) == 1 and qd >= p, "q: kv's dtype, unit stride"
+    kv2, skv, cos, sin = _latent_operands(kv, norm_weight, cos, sin, kv_cache, slots)
+    rank = norm_weight.shape[0]
     q_pe = torch.empty(t, heads, p, dtype=q.dtype, device=q.device)  # [T, H, P]
     if t:
         block_r = triton.next_power_of_2(rank)
@@ -183,6 +174,87 @@ def mla_rope_cache(
             **pdl.launch_options(q.device),
         )  # fmt: skip
     return q_pe
+
+
+def _latent_operands(kv, norm_weight, cos, sin, kv_cache, slots):
+    """The cache side's operands checked and as the kernels read them: (kv, its row stride, cos,
+    sin); kv's c_kv loads then vectorise as `invariant.rms_norm`'s."""
+    t, rank, p = kv.shape[0], norm_weight.shape[0], cos.shape[-1]
+    assert kv.dtype in HALF and kv.dtype == cos.dtype == sin.dtype, "16-bit, one dtype"
+    assert norm_weight.dtype == kv.dtype, "kv_a_layernorm in the activations' dtype"
+    assert p >= 2 and p % 2 == 0, f"rope dim {p} must be even"
+    assert kv.shape == (t, rank + p) and kv_cache.shape[-1] == rank + p, "shapes"
+    assert cos.shape == sin.shape == (t, p) and slots.shape == (t,), "cos / sin / slots"
+    assert kv.stride(-1) == 1 and kv_cache.stride(-1) == 1, "unit stride"
+    kv2, (skv, _) = _canonical(kv)
+    return kv2, skv, cos.contiguous(), sin.contiguous()
+
+
+@triton.jit
+def _mla_latent_kernel(
+    qa_ptr, qw_ptr, qn_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, cache_ptr,
+    Q, R, sqa, skv, scache, q_eps, eps,
+    P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    INTERLEAVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Token row t: qn[t] = rms_norm(q_a[t]) [Q] (q_a_layernorm, qn contiguous); cache[slots[t]]
+    = [rms_norm(kv[t, :R]) | rope(kv[t, R:])] in the cache's dtype. cos/sin contiguous."""
+    pdl_begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    # q_a_layernorm: `invariant._rms_kernel` on a row of Q (same BLOCK and warps)
+    cols = tl.arange(0, BLOCK_Q)  # [BLOCK_Q]
+    ok = cols < Q
+    x = tl.load(qa_ptr + row * sqa + cols, mask=ok, other=0.0).to(tl.float32)
+    q_n = _rms_row(x, qw_ptr, cols, ok, Q, q_eps, qn_ptr.dtype.element_ty)  # [BLOCK_Q]
+    tl.store(qn_ptr + row * Q + cols, q_n, mask=ok)
+    j = tl.arange(0, BLOCK_P)  # [BP]
+    j_ok = j < P
+    c = tl.load(cos_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + row * P + j, mask=j_ok, other=0.0).to(tl.float32)
+    dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * scache
+    _latent_row(kv_ptr + row * skv, w_ptr, dst, c, s, j, j_ok, R, eps, P, BLOCK_R, INTERLEAVE,
+                INTERPRET)  # fmt: skip
+
+
+def mla_latent_fits(q_lora: int, rank: int) -> bool:
+    """Whether one launch can norm rows of q_lora and of rank as `invariant.rms_norm` does:
+    their blocks get the same warps (at K2.6, 1536 and 512: 4 each)."""
+    return _rms_warps(triton.next_power_of_2(q_lora)) == _rms_warps(triton.next_power_of_2(rank))
+
+
+def mla_latent(
+    q_a: torch.Tensor,  # [T, q_lora] q_a_proj's output (rows may be strided)
+    q_norm_weight: torch.Tensor,  # [q_lora] q_a_layernorm
+    q_eps: float,
+    kv: torch.Tensor,  # [T, R + P]
+    norm_weight: torch.Tensor,  # [R] kv_a_layernorm
+    eps: float,
+    cos: torch.Tensor,  # [T, P]
+    sin: torch.Tensor,  # [T, P]
+    kv_cache: torch.Tensor,  # [S, R + P]
+    slots: torch.Tensor,  # [T] int
+    interleave: bool,
+) -> torch.Tensor:  # [T, q_lora] contiguous
+    """`fused_ref.mla_latent_ref` (with `invariant.rms_norm` as both norms) in one launch."""
+    t, q_lora = q_a.shape
+    assert q_a.dtype == q_norm_weight.dtype == kv.dtype and q_norm_weight.shape == (q_lora,)
+    assert q_a.stride(-1) == 1 and kv.shape[0] == t, "q_a: [T, q_lora], unit stride"
+    kv2, skv, cos, sin = _latent_operands(kv, norm_weight, cos, sin, kv_cache, slots)
+    rank, p = norm_weight.shape[0], cos.shape[-1]
+    assert mla_latent_fits(q_lora, rank), "the two norms need different warps"
+    qa2, (sqa, _) = _canonical(q_a)  # the loads vectorise as `invariant.rms_norm`'s
+    q_n = torch.empty(t, q_lora, dtype=q_a.dtype, device=q_a.device)  # [T, q_lora]
+    if t:
+        block_q = triton.next_power_of_2(q_lora)
+        _mla_latent_kernel[(t,)](
+            qa2, q_norm_weight, q_n, kv2, norm_weight, cos, sin, slots, kv_cache,
+            q_lora, rank, sqa, skv, kv_cache.stride(0), q_eps, eps,
+            P=p, BLOCK_P=triton.next_power_of_2(p), BLOCK_Q=block_q,
+            BLOCK_R=triton.next_power_of_2(rank), INTERLEAVE=interleave,
+            INTERPRET=_interpreting(), num_warps=_rms_warps(block_q),
+            **pdl.launch_options(q_a.device),
+        )  # fmt: skip
+    return q_n
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -24,6 +24,13 @@ that decides the arithmetic of a row independently of M:
   and `_launch` makes them the same for every M of one call site: contiguous strides for a
   size-1 leading dim, a copy of an x whose base is not 16-byte aligned, a 16-aligned partials
   stride.
+- `linear_rope`: `linear` whose output is attention heads of nope + P columns, each head's last P
+  columns rotated (RoPE) in the epilogue: MLA's q_b_proj with the query's RoPE, one launch.
+  Only where each head's rope part is exactly one column tile of the configuration
+  (`rope_tiles_fit`), so the tile holds every pair it rotates; the rotation is
+  `fused_ref.apply_rope`'s arithmetic on the rounded outputs (`_rope_lane`: products rounded to
+  the 16-bit dtype, then added, rounded), so the bits are those of `linear` then that RoPE.
+  Every other matmul compiles with the epilogue off (constexpr), the same code as without it.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
 References with the same semantics are in `invariant_ref.py` (`split_sum_ref`: the split-order
@@ -31,6 +38,8 @@ sum of the partials); `backend` chooses between them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -69,6 +78,65 @@ def _epilogue(acc, r_ptr, offs, rm, rn, ok, srm, dtype: tl.constexpr, ADD: tl.co
     return y
 
 
+@triton.jit
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """a * b in fp32 as PTX `mul.rn.f32` (no flush of denormals, as torch's kernels): the
+    compiler would otherwise contract the 16-bit product and the add after it into one fma, one
+    rounding instead of torch's two. The interpreter runs no PTX."""
+    if INTERPRET:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _rope_lane(x, y, c, s, INTERPRET: tl.constexpr):
+    """One RoPE output lane as `fused_ref.apply_rope` computes it: round(round(x * c) +
+    round(y * s)) in x's (16-bit) dtype; x the lane's input, y its rotate_half partner (fp32,
+    negated for the first half), c and s the lane's cos and sin (fp32)."""
+    dt = x.dtype
+    first = _mul_rn(x.to(tl.float32), c, INTERPRET).to(dt).to(tl.float32)
+    second = _mul_rn(y, s, INTERPRET).to(dt).to(tl.float32)
+    return (first + second).to(dt)
+
+
+@triton.jit
+def _rope_tile(y, cos_ptr, sin_ptr, rm, m_ok, INTERLEAVE: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
+    """y [BM, P] (one head's rope part per row, rounded) rotated with row rm's cos/sin ([M, P]
+    contiguous) as `fused._rope` rotates it: x' is y de-interleaved or not, out = [x'_lo * c_lo -
+    x'_hi * s_lo | x'_hi * c_hi + x'_lo * s_hi] lane by lane (`_rope_lane`), in x' order."""
+    bm: tl.constexpr = y.shape[0]
+    p: tl.constexpr = y.shape[1]
+    half: tl.constexpr = p // 2
+    if INTERLEAVE:  # x'_lo = y[:, 0::2], x'_hi = y[:, 1::2]
+        lo, hi = tl.split(tl.reshape(y, (bm, half, 2)))  # [BM, half] each
+    else:  # x'_lo = y[:, :half], x'_hi = y[:, half:]
+        lo, hi = tl.split(tl.permute(tl.reshape(y, (bm, 2, half)), (0, 2, 1)))
+    at = rm.to(tl.int64)[:, None] * p + tl.arange(0, half)[None, :]  # [BM, half]
+    ok = m_ok[:, None]
+    c_lo = tl.load(cos_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    c_hi = tl.load(cos_ptr + at + half, mask=ok, other=0.0).to(tl.float32)
+    s_lo = tl.load(sin_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    s_hi = tl.load(sin_ptr + at + half, mask=ok, other=0.0).to(tl.float32)
+    out_lo = _rope_lane(lo, -hi.to(tl.float32), c_lo, s_lo, INTERPRET)  # [BM, half]
+    out_hi = _rope_lane(hi, lo.to(tl.float32), c_hi, s_hi, INTERPRET)
+    return tl.reshape(tl.permute(tl.join(out_lo, out_hi), (0, 2, 1)), (bm, p))  # [BM, P]
+
+
+@triton.jit
+def _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr,
+                   NOPE: tl.constexpr, HEAD: tl.constexpr, INTERLEAVE: tl.constexpr,
+                   INTERPRET: tl.constexpr):  # fmt: skip
+    """y, rotated (`_rope_tile`) when column tile pid_n is a head's rope part: heads of HEAD
+    columns, the last HEAD - NOPE = BLOCK_N of each rotated (the launcher checks the tiling)."""
+    if (pid_n * BLOCK_N) % HEAD >= NOPE:
+        y = _rope_tile(y, cos_ptr, sin_ptr, rm, m_ok, INTERLEAVE, INTERPRET)
+    return y
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     x_ptr, w_ptr, y_ptr, r_ptr, part_ptr, ticket_ptr, M, N, K: tl.constexpr,
@@ -76,7 +144,9 @@ def _mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, REDUCE: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
-    PDL: tl.constexpr, ADD: tl.constexpr, TOPK: tl.constexpr, srm,
+    PDL: tl.constexpr, ADD: tl.constexpr, TOPK: tl.constexpr, srm, cos_ptr=None, sin_ptr=None,
+    ROPE: tl.constexpr = False, NOPE: tl.constexpr = 0, HEAD: tl.constexpr = 0,
+    INTERLEAVE: tl.constexpr = False,
 ):  # fmt: skip
     """y[m, h, n] = sum over k of x[m, h, k] * w[h, k, n]; program (m tile, n tile, head * SPLIT +
     s) accumulates split s's K range in fp32. SPLIT = 1: rounds to y's dtype and stores y.
@@ -88,6 +158,10 @@ def _mm_kernel(
     second-launch sum), or with TOPK > 0 the fixed-order sum of each row's TOPK rows of r
     (`_epilogue`). K is a constexpr (fixed per weight; a runtime loop bound does not run in the
     interpreter).
+    ROPE (`linear_rope`; heads = 1, no ADD): the output's columns are heads of HEAD, the last
+    HEAD - NOPE = BLOCK_N of each a rope part; a tile that is one is rotated after rounding
+    (`_rope_epilogue`, cos/sin [M, BLOCK_N] contiguous). Off (the default), the kernel is the
+    same code as without these parameters (cos_ptr and sin_ptr are None, hence constexprs).
     PF_LINES > 0 (PDL launches of weights contiguous along K): before waiting for the previous
     kernel, the program asks L2 for the first PF_LINES 128-byte lines (PF_STEP elements each)
     of each of its weight columns' K range."""
@@ -120,6 +194,9 @@ def _mm_kernel(
     ok = m_ok[:, None] & n_ok[None, :]  # [BM, BN]
     if SPLIT == 1:
         y = _epilogue(acc, r_ptr, offs, rm, rn, ok, srm, y_ptr.dtype.element_ty, ADD, TOPK)
+        if ROPE:
+            y = _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N, NOPE, HEAD,
+                               INTERLEAVE, INTERPRET)  # fmt: skip
         tl.store(y_ptr + offs, y, mask=ok)
     else:
         tl.store(part_ptr + s.to(tl.int64) * sps + offs, acc, mask=ok)
@@ -133,6 +210,9 @@ def _mm_kernel(
                     tot += tl.load(part_ptr + j * sps + offs, mask=ok, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
                 y = _epilogue(tot, r_ptr, offs, rm, rn, ok, srm, y_ptr.dtype.element_ty, ADD, TOPK)
+                if ROPE:
+                    y = _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N, NOPE, HEAD,
+                                       INTERLEAVE, INTERPRET)  # fmt: skip
                 tl.store(y_ptr + offs, y, mask=ok)
                 tl.store(ticket_ptr + tile, 0)  # clean for the next launch (or graph replay)
 
@@ -235,15 +315,26 @@ def _canonical(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return x, strides
 
 
+class RopeEpilogue(NamedTuple):
+    """`linear_rope`'s rotation: the output is heads of nope + P columns (P = cos's width), each
+    head's last P rotated with its row's cos/sin."""
+
+    cos: torch.Tensor  # [M, P] contiguous, the output's dtype
+    sin: torch.Tensor  # [M, P]
+    nope: int
+    interleave: bool
+
+
 def _launch(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int,
     cfg: MMConfig | None = None, two_launch: bool = False, add: torch.Tensor | None = None,
-    add_topk: int = 0,
+    add_topk: int = 0, rope: RopeEpilogue | None = None,
 ) -> None:  # fmt: skip
     """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws,
     plus `add` (contiguous: y's shape, or [M * add_topk, N] fp32 pairs summed per row) when
-    given. `cfg` (default: `mm_config`'s) and `two_launch` (the split-K sum as
-    `_sum_splits_kernel`) are for benchmarks and tests; both ways give the same bits."""
+    given, with `rope`'s rotation when given. `cfg` (default: `mm_config`'s) and `two_launch`
+    (the split-K sum as `_sum_splits_kernel`) are for benchmarks and tests; both ways give the
+    same bits."""
     assert add is None or not two_launch, "the residual add is the in-kernel sum's epilogue"
     assert add_topk == 0 or heads == 1, "pair rows are addressed by row only"
     x, xs = _canonical(x)
@@ -252,6 +343,15 @@ def _launch(
     m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
     cfg = cfg or mm_config(n, k, x.dtype, heads)
     bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split
+    rope_args = {}
+    if rope is not None:
+        p = rope.cos.shape[-1]
+        assert heads == 1 and add is None and not two_launch, "rope: a plain linear"
+        assert _rope_tiling_ok(n, bn, rope.nope, p), f"rope parts of {p} are not {bn}-column tiles"
+        assert rope.cos.shape == rope.sin.shape == (m, p) and rope.cos.is_contiguous()
+        assert rope.sin.is_contiguous() and rope.cos.dtype == rope.sin.dtype == y.dtype
+        rope_args = dict(cos_ptr=rope.cos, sin_ptr=rope.sin, ROPE=True, NOPE=rope.nope,
+                         HEAD=rope.nope + p, INTERLEAVE=rope.interleave)  # fmt: skip
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     ys = (y.stride(0), 0, y.stride(-1)) if y.dim() == 2 else y.stride()
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads * split)
@@ -273,7 +373,7 @@ def _launch(
         FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
         REDUCE=not two_launch, PF_LINES=pf_lines, PF_STEP=pf_step, ADD=add is not None,
         TOPK=add_topk, srm=0 if add is None else add.stride(0),
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch,
+        num_warps=cfg.warps, num_stages=cfg.stages, **rope_args, **launch,
     )  # fmt: skip
     if split > 1 and two_launch:
         numel = y.numel()
@@ -317,6 +417,47 @@ def linear(
         ws = (0, w.stride(1), w.stride(0))
         _launch(x2, w, y, ws, 1, add=add, add_topk=add_topk)
     return y.view(*x.shape[:-1], n)
+
+
+def _rope_tiling_ok(n: int, block_n: int, nope: int, p: int) -> bool:
+    """Each head (nope + p columns; n holds whole heads) has its rope part as exactly one column
+    tile of width block_n: the tile holds every pair it rotates."""
+    return p == block_n and nope % p == 0 and n % (nope + p) == 0
+
+
+def rope_tiles_fit(n: int, k: int, dtype: torch.dtype, nope: int, rope_dim: int) -> bool:
+    """Whether `linear_rope` serves a [n, k] weight of `dtype` (16-bit) with heads of nope +
+    rope_dim columns in the current phase: its `mm_config` column tile is one rope part
+    (at K2.6 tp = 8, q_b 1536 -> 1536 with heads of 128 + 64: BLOCK_N 64 in decode and verify
+    forwards; prompt chunks' 128-column tiles do not fit)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _rope_tiling_ok(n, mm_config(n, k, dtype).block_n, nope, rope_dim)
+
+
+def linear_rope(
+    x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int,
+    interleave: bool,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype, N = heads of nope + P columns (P = cos's
+    width), each head's last P columns rotated with row m's cos/sin [M, P]: bitwise `linear(x,
+    w)` followed by `fused_ref.apply_rope` on those columns, in one launch. Only where
+    `rope_tiles_fit` (else ValueError)."""
+    _check(x, w)
+    n, k = w.shape
+    m, p = x.shape[0], cos.shape[-1]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} is not [M, {k}]")
+    if not rope_tiles_fit(n, k, x.dtype, nope, p):
+        raise ValueError(f"rope parts of {p} columns (heads of {nope} + {p}) are not column "
+                         f"tiles of the {n} x {k} {x.dtype} matmul")  # fmt: skip
+    if cos.shape != (m, p) or sin.shape != (m, p) or not cos.dtype == sin.dtype == x.dtype:
+        raise ValueError(f"cos / sin must be [{m}, {p}] {x.dtype}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if m:
+        rope = RopeEpilogue(cos.contiguous(), sin.contiguous(), nope, interleave)
+        _launch(x, w, y, (0, w.stride(1), w.stride(0)), 1, rope=rope)
+    return y
 
 
 def _checked_add(add: torch.Tensor, topk: int, out_shape, m: int, x: torch.Tensor) -> torch.Tensor:

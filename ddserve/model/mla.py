@@ -4,7 +4,12 @@ Per token and layer the cache holds only [c_kv (kv_lora_rank) | k_rope (qk_rope_
 kv_b_proj's rows per head are [W_UK (qk_nope rows) ; W_UV (v_head rows)], each [., kv_lora_rank].
 
 The latent path (kv_a_layernorm, RoPE of k_pe and of the query, the cache write) is one
-`backend.mla_rope_cache` call (one fused launch on CUDA in batch-invariant mode).
+`backend.mla_rope_cache` call after q_b_proj (one fused launch on CUDA in batch-invariant mode).
+Where `backend.fuses_mla_latent` holds (and `MLA.latent_fusion`, on by default), it is split
+around q_b_proj instead: `backend.mla_latent` right after the down projections (q_a_layernorm
+and the latent path's cache side, one launch) and `backend.linear_rope` (q_b_proj with the
+query's RoPE in the matmul's epilogue), so q_a_layernorm takes no launch of its own; q_pe is
+then a strided view of q. Both ways give the same bits.
 
 - absorbed (decode / verify / any chunk): q_latent = q_nope W_UK, attention in latent space by
   `backend.tree_attention`, then W_UV after attention; the per-head matmuls are
@@ -58,6 +63,9 @@ class MLA(nn.Module):
         kv_b_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, kv_b_out, comm, dtype, device)
         self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, d, comm, dtype, device)
+        # the latent path split around q_b_proj where the backend fuses it (module docstring);
+        # False always takes `mla_rope_cache` (tests compare the two)
+        self.latent_fusion = True
 
     def _down_projections(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(q_a_proj(x) [T, q_lora] or None without a q LoRA, kv_a_proj_with_mqa(x) [T, R + P]).
@@ -81,6 +89,42 @@ class MLA(nn.Module):
         q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         return q.view(x.shape[0], self.n_local, -1)
 
+    def _fuses_latent(self, q_a: torch.Tensor | None, kv_cache: torch.Tensor) -> bool:
+        if not self.latent_fusion or q_a is None:
+            return False
+        return backend.fuses_mla_latent(
+            q_a, kv_cache, self.q_b_proj.weight, self.nope, self.rope_dim
+        )
+
+    def _query_rope(self, q_n: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q_b_proj(q_n) [T, H, nope + P] from the normed q_a [T, q_lora], each head's rope part
+        rotated in the matmul's epilogue."""
+        q = backend.linear_rope(q_n, self.q_b_proj.weight, cos, sin, self.nope, self.interleave)
+        return q.view(q_n.shape[0], self.n_local, -1)
+
+    def _query_and_latent(
+        self, x: torch.Tensor, q_a: torch.Tensor | None, kv: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(q [T, H, nope + P], q_pe [T, H, P]: q's rope parts rotated); writes kv_cache[slots]
+        = [kv_a_layernorm(c_kv) | rope(k_pe)]. Split around q_b_proj where the backend fuses that
+        (module docstring; q's own rope parts rotated and q_pe a strided view of them), else
+        `mla_rope_cache` after it."""
+        if self._fuses_latent(q_a, kv_cache):
+            qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
+            q_n = backend.mla_latent(
+                q_a, qn.weight, qn.eps, kv, kvn.weight, kvn.eps, cos, sin, kv_cache, slots,
+                self.interleave,
+            )  # fmt: skip
+            q = self._query_rope(q_n, cos, sin)  # [T, H, nope + P]
+            return q, q[..., self.nope :]
+        q = self._query(x, q_a)  # [T, H, nope + P]
+        norm = self.kv_a_layernorm
+        q_pe = backend.mla_rope_cache(
+            q, kv, norm.weight, norm.eps, cos, sin, kv_cache, slots, self.interleave
+        )  # [T, H, P] contiguous
+        return q, q_pe
+
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.n_local, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope :]  # [H, nope, R], [H, v, R]
@@ -95,13 +139,7 @@ class MLA(nn.Module):
         absorbed: bool = True,
     ) -> torch.Tensor:  # [T, D] (all-reduced)
         q_a, kv = self._down_projections(x)  # kv [T, R + P] = [c_kv | k_pe]
-        q = self._query(x, q_a)  # [T, H, nope + P]
-        # kv_cache[block_slots] = [kv_a_layernorm(c_kv) | rope(k_pe)]; q_pe = rope(q[..., nope:])
-        norm = self.kv_a_layernorm
-        slots = meta.block_slots
-        q_pe = backend.mla_rope_cache(
-            q, kv, norm.weight, norm.eps, cos, sin, kv_cache, slots, self.interleave
-        )  # [T, H, P] contiguous
+        q, q_pe = self._query_and_latent(x, q_a, kv, cos, sin, kv_cache, meta.block_slots)
         q_nope = q[..., : self.nope]  # [T, H, nope]
         w_uk, w_uv = self._w_uk_uv()
         if absorbed:

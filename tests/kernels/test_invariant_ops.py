@@ -176,6 +176,25 @@ def test_fixed_order_sum(n: int) -> None:
         assert torch.equal(fixed_order_sum(x[i : i + 1]), got[i : i + 1])
 
 
+def test_rope_tiles_fit_k26_query_in_decode_and_verify_forwards_only() -> None:
+    """`linear_rope` serves q_b_proj (1536 -> 8 heads of 128 + 64 at K2.6 tp = 8) where its
+    configuration's column tile is one rope part: 64-column tiles of decode and verify
+    forwards; not prompt chunks' 128-column tiles, fp32 weights, or rope parts that do not
+    start on a tile."""
+    require_triton()
+    from ddserve.kernels import invariant as inv
+
+    bf16 = torch.bfloat16
+    assert inv.mm_config(1536, 1536, bf16).block_n == 64
+    assert inv.rope_tiles_fit(1536, 1536, bf16, 128, 64)
+    assert inv.rope_tiles_fit(1536, 1536, torch.float16, 128, 64)
+    with backend.prefill_phase():
+        assert not inv.rope_tiles_fit(1536, 1536, bf16, 128, 64)
+    assert not inv.rope_tiles_fit(1536, 1536, torch.float32, 128, 64)
+    assert not inv.rope_tiles_fit(1280, 1536, bf16, 96, 64)  # 8 heads of 96 + 64
+    assert not inv.rope_tiles_fit(2048, 1536, bf16, 224, 32)  # 8 heads of 224 + 32
+
+
 def test_backend_uses_torch_on_cpu_even_when_invariant() -> None:
     was = backend.batch_invariant()
     backend.set_batch_invariant(True)
