@@ -10,7 +10,8 @@ Per configuration (AR at each --batches, DDTree with the perfect oracle at --bud
 - device_ms: the same steps measured on the device (events around each step), which counts
   the device's idle time while the host prepares a replay;
 - replay_ms: the step's graph replayed back to back with the same inputs (device busy time);
-- host_top: cProfile's functions by total time over the profiled steps (us per step).
+- host_top: cProfile's functions by total time over the profiled steps (us per step);
+- idle: the device's idle gaps over 3 steps (torch profiler) and the host ops during each.
 step_ms - replay_ms is what the host adds to a step: input packing, the input copy, the
 replay launch, the token copy and the step's bookkeeping.
 """
@@ -18,9 +19,11 @@ replay launch, the token copy and the step's bookkeeping.
 from __future__ import annotations
 
 import cProfile
+import json
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,6 +82,36 @@ def _host_top(step, sids, n: int, top: int = 15) -> list[dict]:
     ]
 
 
+def _idle_gaps(step, sids, n: int = 3, min_us: float = 15.0) -> dict:
+    """Device idle time between kernels over n steps (torch profiler trace): the gaps longer
+    than min_us (inside a graph replay kernels follow each other within ~1 us), and the host
+    ops that ran during the longest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step(sids)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])  # fmt: skip
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "python_function", "cuda_runtime")]
+    gaps = []
+    end = gpu[0]["ts"] + gpu[0]["dur"] if gpu else 0.0
+    for e in gpu[1:]:
+        if e["ts"] - end > min_us:
+            ops = [c for c in cpu if c["ts"] < e["ts"] and c["ts"] + c.get("dur", 0) > end]
+            ops.sort(key=lambda c: -c.get("dur", 0))
+            host = [f"{c['name'][:50]} {c.get('dur', 0):.0f}" for c in ops[:12]]
+            gaps.append(dict(us=e["ts"] - end, next=e["name"][:60], host=host))
+        end = max(end, e["ts"] + e["dur"])
+    span = (gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]) if gpu else 0.0
+    return dict(steps=n, span_us=span, idle_us=sum(g["us"] for g in gaps), gaps=gaps)
+
+
 def main() -> None:
     args = parse_args([*sys.argv[1:], "--cuda-graphs"])
     bench, rep = setup(args)
@@ -115,13 +148,22 @@ def main() -> None:
         else:
             bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
         top = _host_top(step, sids, args.steps)
-        row = dict(kind=kind, batch=c, budget=budget, replay_ms=replay, host_top=top)
+        if kind == "ar":
+            bench.rewind(sids)
+        else:
+            bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
+        idle = _idle_gaps(step, sids)
+        row = dict(kind=kind, batch=c, budget=budget, replay_ms=replay, host_top=top, idle=idle)
         row.update(step_ms=statistics.median(walls) * 1e3, device_ms=statistics.median(devs) * 1e3)
         out["configs"].append(row)
         print(f"{kind} C={c} budget={budget}: step {row['step_ms']:.3f} ms, device "
               f"{row['device_ms']:.3f}, replay {replay:.3f}", flush=True)  # fmt: skip
         for t in top[:8]:
             print(f"   {t['tot_us']:8.1f} us {t['calls_per_step']:6.1f}x  {t['fn']}")
+        print(f"   device idle {idle['idle_us']:.0f} us over {idle['steps']} steps "
+              f"({idle['span_us']:.0f} us span)")  # fmt: skip
+        for g in idle["gaps"][:6]:
+            print(f"     gap {g['us']:.0f} us before {g['next']}: {'; '.join(g['host'][:6])}")
     runner.drafter, runner.cfg = None, bench.base_cfg
     write_json(args.out, out)
 
