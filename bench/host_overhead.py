@@ -12,8 +12,11 @@ Per configuration (AR at each --batches, DDTree with the perfect oracle at --bud
 - replay_ms: the step's graph replayed back to back with the same inputs (device busy time);
 - host_top: cProfile's functions by total time over the profiled steps (us per step);
 - idle: the device's idle gaps over 3 steps (torch profiler) and the host ops during each.
-step_ms - replay_ms is what the host adds to a step: input packing, the input copy, the
-replay launch, the token copy and the step's bookkeeping.
+step_ms - replay_ms is what the host adds to an AR step: input packing, the input copy, the
+replay launch, the token copy and the step's bookkeeping. For DDTree it also holds the
+benchmark's oracle drafter, which cannot run inside the verify graph (the DFlash drafter does):
+its draft (random logits, a scatter of the continuation, a copy into the graph's input) runs
+eagerly on the device before each replay.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
 # launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all;
-# the shared expert on the main stream (no side stream)
+# the shared expert on the main stream (no side stream), or its branch forked before the router;
+# the latent path unsplit (q_a_layernorm's own launch, the query's RoPE in mla_rope_cache)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
             "no-latent-fusion")  # fmt: skip
@@ -111,8 +112,9 @@ def category(path: str, mlp_kind: str | None, kernel: str) -> str:
 
 
 # Methods that launch a submodule's work outside that submodule's forward, annotated as it:
-# MLA's q_a_proj + kv_a_proj_with_mqa as one matmul on the CUDA invariant path; the MoE calls its
-# shared expert's gate/up + SiLU (`DenseMLP.activation`) and down_proj, not its forward.
+# MLA's q_a_proj + kv_a_proj_with_mqa as one matmul on the CUDA invariant path, and q_b_proj with
+# the query's RoPE (`MLA._query_rope`, `linear_rope`); the MoE calls its shared expert's
+# gate/up + SiLU (`DenseMLP.activation`) and down_proj, not its forward.
 METHODS = {
     "_down_projections": "kv_a_proj_with_mqa",
     "_query_rope": "q_b_proj",
@@ -346,9 +348,10 @@ def use_router_fma() -> None:
 
 @contextlib.contextmanager
 def variant(runner, name: str):
-    """The runner's kernel configuration and the PDL prefetches set for one launch variant."""
+    """The runner's kernel configuration, the PDL prefetches and the model's switches set for one
+    launch variant, and restored after it."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
-    attention = [m for m in runner.model.modules() if isinstance(m, MLA)]
+    attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
     elif name == "no-side-stream":
@@ -356,7 +359,7 @@ def variant(runner, name: str):
     elif name == "side-first":
         MoE.forward = side_first_moe_forward
     elif name == "no-latent-fusion":
-        for mod in attention:
+        for mod, _ in attention:
             mod.latent_fusion = False
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
@@ -366,8 +369,8 @@ def variant(runner, name: str):
         yield
     finally:
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
-        for mod in attention:
-            mod.latent_fusion = True
+        for mod, fused in attention:
+            mod.latent_fusion = fused
 
 
 def side_first_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:

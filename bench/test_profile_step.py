@@ -14,7 +14,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from profile_step import by_occurrence, category, graph_kernels, innermost  # noqa: E402
+from profile_step import METHODS, by_occurrence, category, graph_kernels, innermost  # noqa: E402
+
+from ddserve.model.mla import MLA  # noqa: E402
+from ddserve.model.moe import DenseMLP  # noqa: E402
 
 
 def test_a_stamp_belongs_to_the_innermost_range_containing_it():
@@ -37,7 +40,8 @@ def test_a_stamp_belongs_to_the_innermost_range_containing_it():
 
 
 def test_graph_kernels_take_their_eager_module_by_name_and_occurrence():
-    # eager: main-stream matmul, then the side stream's matmul and SiLU beside the router
+    # eager: main-stream matmul, then the side stream's matmul and SiLU beside the main stream's
+    # kernel
     eager = [
         ("mm", "attn.o_proj", 5.0),
         ("mm", "mlp.shared.gate_up", 3.0),
@@ -66,10 +70,18 @@ def test_graph_kernel_durations_average_by_name_and_occurrence_across_replays():
     assert wall == pytest.approx(((7.0 - 0.0) + (20.0 - 10.0)) / 2)
 
 
+def test_every_annotated_method_exists():
+    # a renamed method would silently leave its kernels to the caller's category
+    for name in METHODS:
+        assert any(callable(getattr(cls, name, None)) for cls in (MLA, DenseMLP)), name
+
+
 @pytest.mark.parametrize(
     "path, mlp, kernel, want",
     [
         ("model.layers.3.self_attn.q_a_proj", "MoE", "_mm_kernel", "attention projections"),
+        ("model.layers.3.self_attn.q_b_proj", "MoE", "_mm_kernel", "attention projections"),
+        ("model.layers.3.self_attn", "MoE", "_mla_latent_kernel", "attention elementwise"),
         ("model.layers.3.self_attn", "MoE", "_tree_attn_inv_kernel", "tree attention"),
         ("model.layers.3.self_attn", "MoE", "_mm_kernel", "absorb bmm"),
         ("model.layers.3.self_attn", "MoE", "_mla_rope_cache_kernel", "attention elementwise"),

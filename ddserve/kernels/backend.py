@@ -41,7 +41,7 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   Dense experts or non-bf16 scales run v2 (`moe_triton_v2`, its fixed tile config, asm dequant
   from `moe_w4_tiles` when the scales are bf16, pure Triton dequant if that fails to compile).
 CUDA, either mode: the MoE's shared expert (gate/up matmul and SiLU) runs on a second stream
-beside the router and the routed experts (`side_branch`; `KernelConfig.side_stream`,
+beside the routed experts, forked after the router (`side_branch`; `KernelConfig.side_stream`,
 DDSERVE_SIDE_STREAM=0 turns it off), joined before its down matmul.
 CUDA sm_90+: every Triton / Gluon kernel of those paths launches with programmatic dependent
 launch (`pdl.py`; `KernelConfig.pdl`, DDSERVE_PDL=0 turns it off), waiting on the device for its

@@ -31,8 +31,8 @@ class KernelConfig:
     # programmatic dependent launch on sm_90+ (pdl.py): a kernel starts while its predecessor
     # finishes; the arithmetic is the same either way
     pdl: bool = True
-    # the MoE's shared expert (gate/up and SiLU) on a second CUDA stream beside the router and
-    # the routed experts (`backend.side_branch`); the arithmetic is the same either way
+    # the MoE's shared expert (gate/up and SiLU) on a second CUDA stream beside the routed
+    # experts, forked after the router (`backend.side_branch`); the same arithmetic either way
     side_stream: bool = True
 
     def __post_init__(self) -> None:

@@ -294,7 +294,7 @@ def scratch(device: torch.device) -> _Scratch:
     table's calls are ordered: on one stream, or, for the side table, by the fork and join of
     consecutive side branches through the main stream (also between a replayed graph's
     branches). At K2.6 shapes the side branch's gate/up matmul splits K (8 ways) while the main
-    stream runs the router and the routed experts, which take no scratch: the separate table
+    stream runs the routed experts, which take no scratch: the separate table
     keeps any split matmul later placed on the main branch from sharing its tickets."""
     table = _SIDE_SCRATCH if backend.on_side_stream() else _SCRATCH
     return table.setdefault(device, _Scratch())

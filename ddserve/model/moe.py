@@ -7,8 +7,8 @@ is the sum of its top-2 biased scores), and *weighted* by the unbiased scores, n
 for a few tokens on the GPU, `backend.moe_pairs`, whose per-expert outputs the shared expert's
 down matmul sums in its epilogue; shared experts are added unscaled; one all-reduce sums the
 per-rank partials of both. On CUDA (unless `KernelConfig.side_stream` is off) the shared expert's
-gate/up and SiLU run on a second stream beside the router and the routed experts
-(`backend.side_branch`), joined before its down matmul.
+gate/up and SiLU run on a second stream beside the routed experts (`backend.side_branch`, forked
+after the router), joined before its down matmul.
 """
 
 from __future__ import annotations
