@@ -11,7 +11,9 @@ Per configuration (AR at each --batches, DDTree with the perfect oracle at --bud
   the device's idle time while the host prepares a replay;
 - replay_ms: the step's graph replayed back to back with the same inputs (device busy time);
 - host_top: cProfile's functions by total time over the profiled steps (us per step);
-- idle: the device's idle gaps over 3 steps (torch profiler) and the host ops during each.
+- idle: the device's idle gaps over 3 steps (torch profiler) and the host ops during each;
+- launch (last, once): the host's time in one graph launch with the device idle, alone, right
+  after another graph's replay, and after an explicit `cudaGraphUpload`.
 step_ms - replay_ms is what the host adds to an AR step: input packing, the input copy, the
 replay launch, the token copy and the step's bookkeeping. For DDTree it also holds the
 benchmark's oracle drafter, which cannot run inside the verify graph (the DFlash drafter does):
@@ -115,6 +117,54 @@ def _idle_gaps(step, sids, n: int = 3, min_us: float = 15.0) -> dict:
     return dict(steps=n, span_us=span, idle_us=sum(g["us"] for g in gaps), gaps=gaps)
 
 
+def _launch_us(g, before=None, upload=None) -> float:
+    """CPU time of one `replay()` call of graph g with the device idle (after `before`'s replay
+    when given; after `upload(g)` when given), us."""
+    if before is not None:
+        before.graph.replay()
+    torch.cuda.synchronize()
+    if upload is not None:
+        upload(g)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.graph.replay()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt * 1e6
+
+
+def _launch_probe(graphed, reps: int = 5) -> dict:
+    """How long the host spends launching each captured graph: alone, right after another
+    graph, and after an explicit `cudaGraphUpload` (CuPy), medians of `reps` (us). The replays
+    rewrite the KV slots their inputs name; run this last."""
+    graphs = [*graphed._graphs.values(), *graphed._verify.values()][:4]
+    upload, why = None, None
+    try:
+        from cupy.cuda import runtime
+
+        def upload(g):
+            exec_handle = g.graph.raw_cuda_graph_exec()
+            runtime.graphUpload(exec_handle, torch.cuda.current_stream().cuda_stream)
+    except Exception as e:  # CuPy missing, or no graphUpload in it
+        why = f"{type(e).__name__}: {e}"
+    rows = []
+    for i, g in enumerate(graphs):
+        other = graphs[i - 1] if len(graphs) > 1 else None
+        row = dict(kind=type(g).__name__, key=getattr(g, "b", None))
+        row["alone_us"] = statistics.median(_launch_us(g) for _ in range(reps))
+        if other is not None:
+            row["after_other_us"] = statistics.median(_launch_us(g, other) for _ in range(reps))
+        if upload is not None:
+            try:
+                row["uploaded_us"] = statistics.median(
+                    _launch_us(g, other, upload) for _ in range(reps)
+                )
+            except Exception as e:
+                row["upload_error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    return dict(graphs=rows, upload_unavailable=why)
+
+
 def main() -> None:
     args = parse_args([*sys.argv[1:], "--cuda-graphs"])
     bench, rep = setup(args)
@@ -168,6 +218,9 @@ def main() -> None:
         for g in idle["gaps"][:6]:
             print(f"     gap {g['us']:.0f} us before {g['next']}: {'; '.join(g['host'][:6])}")
     runner.drafter, runner.cfg = None, bench.base_cfg
+    out["launch"] = _launch_probe(runner._graphs)
+    for r in out["launch"]["graphs"]:
+        print(f"launch {r}", flush=True)
     write_json(args.out, out)
 
 
