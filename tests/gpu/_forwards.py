@@ -14,12 +14,12 @@ PROMPTS = [[5, 6, 7], list(range(20, 41)), [100, 101, 102, 103, 104, 105], [200]
            [(7 * i) % 250 for i in range(300)]]  # fmt: skip
 
 
-def prefilled_runner(model_dir, graphs: bool) -> ModelRunner:
+def prefilled_runner(model_dir, graphs: bool, prompts: list[list[int]] = PROMPTS) -> ModelRunner:
     """A bf16 engine on CUDA (kernel configuration from the environment) with every prompt of
-    PROMPTS prefilled as streams 0, 1, ..."""
+    `prompts` prefilled as streams 0, 1, ..."""
     cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
     runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda")
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         runner.add_stream(i, p, SamplingParams(max_tokens=24))
     runner.prefill()
     return runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _forwards import prefilled_runner
 from engine_helpers import run_all
 
 from ddserve.drafter.testing import OracleDrafter
@@ -88,19 +89,13 @@ def test_offline_llm_tp2_over_nccl_equals_tp1(model_dir) -> None:
     assert a == b
 
 
-def _prefilled(model_dir, graphs: bool) -> ModelRunner:
-    cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=graphs)
-    runner = ModelRunner(model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda")
-    for i, p in enumerate(PROMPTS):
-        runner.add_stream(i, p, SamplingParams(max_tokens=24))
-    runner.prefill()
-    return runner
-
-
 def test_graph_replay_matches_the_eager_forward(model_dir) -> None:
     """Same state, same decode inputs: the replayed forward's logits match the eager ones (bf16;
     the graph pads the batch to a bucket and the prefix to a power of two)."""
-    eager, graphed = _prefilled(model_dir, False), _prefilled(model_dir, True)
+    eager, graphed = (
+        prefilled_runner(model_dir, False, PROMPTS),
+        prefilled_runner(model_dir, True, PROMPTS),
+    )
     assert graphed._graphs is not None
     for q in (1, 9):  # an AR step, then a verify-sized block (budget 8 + root)
         outs = []
@@ -138,7 +133,7 @@ def test_ar_steps_replayed_from_graphs_give_the_eager_tokens(model_dir) -> None:
 
 
 def test_ddtree_with_graphs_finishes_and_frees_every_slot(model_dir) -> None:
-    runner = _prefilled(model_dir, True)
+    runner = prefilled_runner(model_dir, True, PROMPTS)
     start = runner.free_slots + sum(len(st.slots) for st in runner.streams.values())
     steps = 0
     while runner.streams and steps < 100:
