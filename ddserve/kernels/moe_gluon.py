@@ -21,9 +21,7 @@ One program body (`_tiles`) serves both projections:
         in a second launch); `_w4_up_silu_kernel` does that sum itself (`_silu_unit`).
 - down: x = h (rows of the block); each program NT consecutive n-tiles over all of K;
         y[pair, n] = topk weight * acc in fp32 (`moe_reduce._combine_kernel` sums slots in order).
-Weights are streamed with DEPTH steps of register prefetch; with AHEAD the step's scales and x
-tile are loaded one step ahead as well (without it, each step waits for their loads: at one
-token, where every program streams one expert slice alone, that wait bounds the kernel).
+Weights are streamed with DEPTH steps of register prefetch.
 
 SiLU-and-mul in the up launch (`_w4_up_silu_kernel`): h[:, c] needs the gate column c and the up
 column I + c of all SPLIT ranges. With I a multiple of BN, n-tile j < I / BN holds gate columns
@@ -108,16 +106,10 @@ def _a_tile(words, s0, s1, a_layout: gl.constexpr, W: gl.constexpr, NREP: gl.con
 
 
 @gluon.jit
-def _x_load(x_ptr, x_off, valid, col, k0, K):
-    """The x tile [BM, BK] at K columns k0 .. k0 + BK - 1 (`_x_layout`: 32 contiguous columns
-    per thread); rows without a pair and columns past K read as 0."""
-    x_ok = valid & gl.expand_dims(col + k0 < K, 0)
-    return gl.load(x_ptr + x_off + k0, mask=x_ok, other=0.0)
-
-
-@gluon.jit
-def _x_tile(x, b_layout: gl.constexpr, BM: gl.constexpr):
-    """An `_x_load` tile -> the [BK, BM] bf16 MMA B operand in the permuted K order."""
+def _x_tile(x_ptr, x_off, x_ok, kb, b_layout: gl.constexpr, BM: gl.constexpr):
+    """x_off [BM, BK] (`_x_layout`: 32 contiguous columns per thread) -> the [BK, BM] bf16 MMA
+    B operand in the permuted K order."""
+    x = gl.load(x_ptr + x_off + kb, mask=x_ok, other=0.0)
     x = gl.reshape(x, [BM, 4, 8, 2, 2])  # m, q, c, k3, k0 (column 32 q + 4 c + 2 k3 + k0)
     x = gl.permute(x, [2, 3, 1, 4, 0])  # c, k3, q, k0 | m
     x = gl.reshape(x, [BK, BM])
@@ -149,8 +141,7 @@ def _w4_gemm_kernel(
     stride_x, stride_os, stride_or, expert_words, expert_scales,
     TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
-    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, AHEAD: gl.constexpr,
-    PDL: gl.constexpr,
+    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     pdl_begin(PDL)
     pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
@@ -159,7 +150,7 @@ def _w4_gemm_kernel(
         return
     _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK, GATHER, W, NREP,
-           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, AHEAD)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -169,7 +160,7 @@ def _w4_up_silu_kernel(
     stride_x, stride_ps, stride_pr, stride_h, expert_words, expert_scales,
     TOPK: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
     KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, SPLIT: gl.constexpr, DEPTH: gl.constexpr,
-    AHEAD: gl.constexpr, PDL: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     """The up projection (N = 2 I, I a multiple of BN) into part[SPLIT, rows, N] fp32, then
     h[rows, I] = silu(gate) * up in bf16 by the last program of each (block, gate n-tile) unit;
@@ -182,7 +173,7 @@ def _w4_up_silu_kernel(
     # (tw_ptr = part_ptr: the up projection does not read top-k weights)
     _tiles(x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, part_ptr, e, pid_m, pid_s, pid_n, num_pairs,
            N, K, stride_x, stride_ps, stride_pr, expert_words, expert_scales, TOPK, True, W, NREP,
-           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, AHEAD)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH)  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     units = N // (2 * BN)  # gate n-tiles per block (the host checks I % BN == 0)
     unit = pid_m * units + pid_n % units
@@ -224,7 +215,7 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK: gl.constexpr,
            GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
            KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr, DOWN: gl.constexpr,
-           DEPTH: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
+           DEPTH: gl.constexpr):  # fmt: skip
     """One program's work: block pid_m (expert e), K range pid_s, n-tiles pid_n NT .. + NT - 1,
     each stored as it completes (`_store`)."""
     BN: gl.constexpr = 16 * W * NREP
@@ -250,45 +241,34 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     else:
         xr = (pid_m * BM + m).to(gl.int64)
     k_lo = pid_s * KSTEPS * BK
-    x_off = gl.expand_dims(xr * stride_x, 1) + gl.expand_dims(col, 0)  # [BM, BK]
+    x_off = gl.expand_dims(xr * stride_x, 1) + gl.expand_dims(col + k_lo, 0)  # [BM, BK]
     # weight stream: tiles of this program are consecutive
     tile0 = (pid_n * NT) * KS_TOTAL + pid_s * KSTEPS
     w_base = w_ptr + e.to(gl.int64) * expert_words + tile0.to(gl.int64) * NW
     s_base = s_ptr + e.to(gl.int64) * expert_scales + tile0.to(gl.int64) * NS
     w_off = gl.arange(0, NW, layout=w_l)
     s_off = gl.arange(0, NS, layout=s_l)
-    last: gl.constexpr = NT * KSTEPS - 1
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     w1 = gl.load(w_base + w_off)  # steps 0 (and 1) in flight before the loop
     if DEPTH == 2:
-        w2 = gl.load(w_base + gl.minimum(1, last) * NW + w_off)
-    if AHEAD:  # step 0's scales and x in flight before the loop
-        s_next = gl.load(s_base + s_off)
-        x_next = _x_load(x_ptr, x_off, valid, col, k_lo, K)
+        w2 = gl.load(w_base + gl.minimum(1, NT * KSTEPS - 1) * NW + w_off)
     for t in range(NT * KSTEPS):
         wc = w1
-        nxt = gl.minimum(t + DEPTH, last)  # (the last steps reload a tile: L2 hits)
+        nxt = gl.minimum(t + DEPTH, NT * KSTEPS - 1)  # (the last steps reload a tile: L2 hits)
         if DEPTH == 2:
             w1 = w2
             w2 = gl.load(w_base + nxt * NW + w_off)
         else:
             w1 = gl.load(w_base + nxt * NW + w_off)
-        kb = (t % KSTEPS) * BK
-        if AHEAD:  # this step's were loaded a step ago; ask for the next step's
-            sc = s_next
-            xt = x_next
-            t1 = gl.minimum(t + 1, last)
-            s_next = gl.load(s_base + t1 * NS + s_off)
-            x_next = _x_load(x_ptr, x_off, valid, col, k_lo + (t1 % KSTEPS) * BK, K)
-        else:
-            sc = gl.load(s_base + t * NS + s_off)
-            xt = _x_load(x_ptr, x_off, valid, col, k_lo + kb, K)
-        sc = gl.reshape(sc.to(gl.int16, bitcast=True), [NS // 2, 2])
+        sc = gl.load(s_base + t * NS + s_off).to(gl.int16, bitcast=True)
+        sc = gl.reshape(sc, [NS // 2, 2])
         s0, s1 = gl.split(sc)  # rows +0 / +8 of each rep
         s0 = gl.convert_layout(_dup(s0, 3), w_l, assert_trivial=True)
         s1 = gl.convert_layout(_dup(s1, 3), w_l, assert_trivial=True)
         a = _a_tile(wc, s0, s1, a_l, W, NREP, KC)
-        b = _x_tile(xt, b_l, BM)
+        kb = (t % KSTEPS) * BK
+        x_ok = valid & gl.expand_dims(col + (k_lo + kb) < K, 0)
+        b = _x_tile(x_ptr, x_off, x_ok, kb, b_l, BM)
         acc = mma_v2(a, b, acc)
         if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
             nt = pid_n * NT + t // KSTEPS

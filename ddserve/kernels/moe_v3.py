@@ -46,11 +46,9 @@ from ddserve.kernels.moe_w4_repack import (
 # they depend on the weight shapes only. The other keys only say which threads compute what (the
 # mma.sync of a token's column does not see the other columns), so "auto" picks them per call:
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
-# W and NREP set the repacked layout (one stream per weights). DEPTH: weight steps in flight;
-# AHEAD: each step's scales and x tile loaded a step early (both only move loads). FUSED_SILU:
-# SiLU-and-mul in the up GEMM's launch instead of a launch of its own (same bits). The bench
-# overrides any key.
-CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, AHEAD=1, FUSED_SILU=True)
+# W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
+# up GEMM's launch instead of a launch of its own (same bits). The bench overrides any key.
+CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, FUSED_SILU=True)
 log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
@@ -134,9 +132,8 @@ def _config(overrides: dict | None) -> dict:
         raise ValueError(f"MoE v3 config: unknown keys {sorted(unknown)} (known: {sorted(CONFIG)})")
     cfg = dict(CONFIG, **(overrides or {}))
     allowed = dict(
-        W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2), AHEAD=(0, 1),
-        FUSED_SILU=(False, True),
-    )  # fmt: skip
+        W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2), FUSED_SILU=(False, True)
+    )
     for key, values in allowed.items():
         if cfg[key] not in values:
             raise ValueError(f"MoE v3 config: {key}={cfg[key]!r}, expected one of {values}")
@@ -254,7 +251,7 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
         x.stride(0), part.stride(0), part.stride(1), h.stride(0), w13.words.stride(0),
         w13.scales.stride(0),
         TOPK=topk, W=w13.w, NREP=w13.nrep, BM=cfg["BM"], KS_TOTAL=ks, KSTEPS=ks // split,
-        SPLIT=split, DEPTH=cfg["DEPTH"], AHEAD=cfg["AHEAD"], num_warps=w13.w, **launch,
+        SPLIT=split, DEPTH=cfg["DEPTH"], num_warps=w13.w, **launch,
     )  # fmt: skip
     _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True)
     return k
@@ -274,8 +271,8 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         num_pairs, stream.words.shape[0], nb, stream.n, stream.k,
         x.stride(0), stride_os, stride_or, stream.words.stride(0), stream.scales.stride(0),
         TOPK=topk, GATHER=gather, W=stream.w, NREP=stream.nrep, BM=cfg["BM"], KS_TOTAL=ks,
-        KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"], AHEAD=cfg["AHEAD"],
-        num_warps=stream.w, **launch,
+        KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"], num_warps=stream.w,
+        **launch,
     )  # fmt: skip
     _record("down" if down else "up", k, grid, stream.w, split=split, nt=nt,
             **({} if down else dict(fused_silu=False)))  # fmt: skip

@@ -15,18 +15,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon ker
 
 
 def test_v3_thread_layout_configs_are_bitwise_the_default():
-    """v3's BM, NT, DEPTH, AHEAD, NREP and W only change which threads compute which outputs
-    or when a load is issued, not any sum's order (that is why BM and NT may be picked per
-    call): at fixed SPLIT every such config gives the default's bits, at T = 1, 48, 200 (K2.6
-    shapes). Every pair is printed first."""
+    """v3's BM, NT, DEPTH, NREP and W only change which threads compute which outputs, not any
+    sum's order (that is why BM and NT may be picked per call): at fixed SPLIT every such config
+    gives the default's bits, at T = 1, 48, 200 (K2.6 shapes). Every pair is printed first."""
     from ddserve.kernels.moe_triton import fused_moe
 
     w = k26_experts()
     gen = torch.Generator().manual_seed(21)
     configs = [dict(BM=8), dict(BM=16), dict(BM=32), dict(NT=1), dict(NT=2), dict(NT=8),
                dict(DEPTH=2), dict(BM=8, DEPTH=2), dict(NREP=1), dict(NREP=4),
-               dict(W=8, NREP=1), dict(AHEAD=0), dict(AHEAD=0, BM=32, NT=1),
-               dict(AHEAD=0, DEPTH=2)]  # fmt: skip
+               dict(W=8, NREP=1)]  # fmt: skip
     bad = []
     for t in (1, 48, 200):
         x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()
@@ -242,8 +240,7 @@ def test_fused_silu_is_bitwise_the_two_launch_path_for_every_tile_config(k26):
 
     x, ids, tw = _routed(48, torch.Generator().manual_seed(31))
     configs = [dict(BM=8), dict(BM=16), dict(BM=32), dict(DEPTH=2), dict(NREP=1),
-               dict(NREP=4), dict(W=8, NREP=1), dict(SPLIT=8), dict(SPLIT=2),
-               dict(AHEAD=0)]  # fmt: skip
+               dict(NREP=4), dict(W=8, NREP=1), dict(SPLIT=8), dict(SPLIT=2)]  # fmt: skip
     bad = []
     for c in configs:
         two = fused_moe_v3(x, ids, tw, k26, config={**c, **TWO_LAUNCH})
