@@ -11,9 +11,12 @@ Per configuration (AR at each --batches, DDTree with the perfect oracle at --bud
   the device's idle time while the host prepares a replay;
 - replay_ms: the step's graph replayed back to back with the same inputs (device busy time);
 - host_top: cProfile's functions by total time over the profiled steps (us per step);
-- idle: the device's idle gaps over 3 steps (torch profiler) and the host ops during each;
-- launch (last, once): the host's time in one graph launch with the device idle, alone, right
-  after another graph's replay, and after an explicit `cudaGraphUpload`.
+- idle: the device's idle gaps over 3 steps (torch profiler, which slows every launch: read
+  the gaps' causes, not their lengths) and the host ops during each;
+- launch (once, before any profiling): the host's time in one graph launch with the device
+  idle, alone, right after another graph's replay, after an explicit `cudaGraphUpload`, right
+  after a pinned host-to-device copy (the engine's order), and while the same graph's previous
+  launch runs.
 step_ms - replay_ms is what the host adds to an AR step: input packing, the input copy, the
 replay launch, the token copy and the step's bookkeeping. For DDTree it also holds the
 benchmark's oracle drafter, which cannot run inside the verify graph (the DFlash drafter does):
@@ -117,15 +120,18 @@ def _idle_gaps(step, sids, n: int = 3, min_us: float = 15.0) -> dict:
     return dict(steps=n, span_us=span, idle_us=sum(g["us"] for g in gaps), gaps=gaps)
 
 
-def _launch_us(g, before=None, upload=None) -> float:
+def _launch_us(g, before=None, upload=None, queued=None) -> float:
     """CPU time of one `replay()` call of graph g with the device idle (after `before`'s replay
-    when given; after `upload(g)` when given), us."""
+    when given; after `upload(g)` when given), us. `queued()`, when given, runs right before the
+    timed launch without a synchronisation in between (the device may still be busy with it)."""
     if before is not None:
         before.graph.replay()
     torch.cuda.synchronize()
     if upload is not None:
         upload(g)
         torch.cuda.synchronize()
+    if queued is not None:
+        queued()
     t0 = time.perf_counter()
     g.graph.replay()
     dt = time.perf_counter() - t0
@@ -136,7 +142,7 @@ def _launch_us(g, before=None, upload=None) -> float:
 def _launch_probe(graphed, reps: int = 5) -> dict:
     """How long the host spends launching each captured graph: alone, right after another
     graph, and after an explicit `cudaGraphUpload` (CuPy), medians of `reps` (us). The replays
-    rewrite the KV slots their inputs name; run this last."""
+    rewrite the KV slots their last inputs named with the same values."""
     graphs = [*graphed._graphs.values(), *graphed._verify.values()][:4]
     upload, why = None, None
     try:
@@ -154,6 +160,16 @@ def _launch_probe(graphed, reps: int = 5) -> dict:
         row["alone_us"] = statistics.median(_launch_us(g) for _ in range(reps))
         if other is not None:
             row["after_other_us"] = statistics.median(_launch_us(g, other) for _ in range(reps))
+        # the engine's order: the step's inputs copied from pinned memory, then the launch
+        src = torch.zeros(64, dtype=torch.long).pin_memory()
+        dst = torch.empty(64, dtype=torch.long, device="cuda")
+        copy = lambda src=src, dst=dst: dst.copy_(src, non_blocking=True)  # noqa: E731
+        row["after_copy_us"] = statistics.median(_launch_us(g, queued=copy) for _ in range(reps))
+        # a second launch of the same graph while its first one runs
+        again = lambda g=g: g.graph.replay()  # noqa: E731
+        row["while_running_us"] = statistics.median(
+            _launch_us(g, queued=again) for _ in range(reps)
+        )
         if upload is not None:
             try:
                 row["uploaded_us"] = statistics.median(
@@ -184,43 +200,50 @@ def main() -> None:
     out = dict(env=environment(), layers=rep["layers"], prefix=args.prefix, configs=[])
     confs = [("ar", c, None) for c in args.batches]
     confs += [("ddtree", c, b) for c in args.batches for b in args.budgets]
-    for kind, c, budget in confs:
+
+    def start(kind, c, budget):  # rewind the streams (AR) or set the oracle up (DDTree)
         sids = bench.sids[:c]
         if kind == "ar":
             bench.rewind(sids)
             runner.drafter, runner.cfg = None, bench.base_cfg
-            step = runner.ar_step
-        else:
-            bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
-            step = runner.ddtree_step
+            return runner.ar_step, sids
+        bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
+        return runner.ddtree_step, sids
+
+    # Timing, then cProfile, then the torch profiler: once the profiler has run, CUPTI stays
+    # attached to the process and every later graph launch costs the host ~0.5 ms
+    # (`graph_launch.py --after-profiler`), so nothing is timed after it.
+    rows = []
+    for kind, c, budget in confs:
+        step, sids = start(kind, c, budget)
         _steps(step, sids, args.warmup)
         walls, devs = _steps(step, sids, args.steps)
-        replay = _replay_ms(last[0])
-        if kind == "ar":
-            bench.rewind(sids)
-        else:
-            bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
-        top = _host_top(step, sids, args.steps)
-        if kind == "ar":
-            bench.rewind(sids)
-        else:
-            bench._oracle(sids, budget, dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0))
-        idle = _idle_gaps(step, sids)
-        row = dict(kind=kind, batch=c, budget=budget, replay_ms=replay, host_top=top, idle=idle)
+        row = dict(kind=kind, batch=c, budget=budget, replay_ms=_replay_ms(last[0]))
         row.update(step_ms=statistics.median(walls) * 1e3, device_ms=statistics.median(devs) * 1e3)
-        out["configs"].append(row)
+        rows.append(row)
         print(f"{kind} C={c} budget={budget}: step {row['step_ms']:.3f} ms, device "
-              f"{row['device_ms']:.3f}, replay {replay:.3f}", flush=True)  # fmt: skip
-        for t in top[:8]:
-            print(f"   {t['tot_us']:8.1f} us {t['calls_per_step']:6.1f}x  {t['fn']}")
-        print(f"   device idle {idle['idle_us']:.0f} us over {idle['steps']} steps "
-              f"({idle['span_us']:.0f} us span)")  # fmt: skip
-        for g in idle["gaps"][:6]:
-            print(f"     gap {g['us']:.0f} us before {g['next']}: {'; '.join(g['host'][:6])}")
+              f"{row['device_ms']:.3f}, replay {row['replay_ms']:.3f}", flush=True)  # fmt: skip
     runner.drafter, runner.cfg = None, bench.base_cfg
     out["launch"] = _launch_probe(runner._graphs)
     for r in out["launch"]["graphs"]:
         print(f"launch {r}", flush=True)
+    for row in rows:
+        step, sids = start(row["kind"], row["batch"], row["budget"])
+        row["host_top"] = top = _host_top(step, sids, args.steps)
+        print(f"{row['kind']} C={row['batch']} budget={row['budget']}: host")
+        for t in top[:8]:
+            print(f"   {t['tot_us']:8.1f} us {t['calls_per_step']:6.1f}x  {t['fn']}")
+    for row in rows:
+        step, sids = start(row["kind"], row["batch"], row["budget"])
+        row["idle"] = idle = _idle_gaps(step, sids)
+        print(
+            f"{row['kind']} C={row['batch']}: device idle {idle['idle_us']:.0f} us over "
+            f"{idle['steps']} steps ({idle['span_us']:.0f} us span, under the profiler)"
+        )
+        for g in idle["gaps"][:6]:
+            print(f"     gap {g['us']:.0f} us before {g['next']}: {'; '.join(g['host'][:6])}")
+    out["configs"] = rows
+    runner.drafter, runner.cfg = None, bench.base_cfg
     write_json(args.out, out)
 
 
