@@ -182,3 +182,44 @@ def test_invariant_mode_accurate_across_tiles_and_splits():
         except AssertionError as e:
             failed.append(f"check {i}: {str(e)[:300]}")
     assert not failed, failed
+
+
+@pytest.mark.parametrize("nsplit", [1, 5, 9, 17, 70])
+def test_split_merge_batches_are_bitwise_one_split_at_a_time(nsplit):
+    """`_combine_kernel` loads CHUNK splits' partials at a time (an unrolled run): its output
+    equals the one-split-at-a-time merge (CHUNK 1) bit for bit, with empty splits (lse -inf,
+    garbage partials) mixed in and rows in no block, and is the float64 merge within rounding."""
+    from ddserve.kernels.tree_attn_invariant import _combine_kernel
+
+    gen = torch.Generator().manual_seed(nsplit)
+    h, r, q_starts, q_lens = 8, 512, [0, 7, 12], [5, 3, 9]  # rows 5, 6, 10, 11, 21, 22 in none
+    t = 21 + 2
+    po = torch.randn(t, h, nsplit, r, generator=gen) * 3
+    plse = torch.randn(t, h, nsplit, generator=gen) * 4
+    empty = torch.rand(t, h, nsplit, generator=gen) < 0.3
+    empty[:, :, nsplit // 2 + 1 :] = True  # trailing empty splits too
+    plse[empty] = float("-inf")
+    po[empty] = float("nan")  # an empty split's partial is never read
+    po, plse = po.cuda(), plse.cuda()
+    starts = torch.tensor(q_starts, device="cuda")
+    lens = torch.tensor(q_lens, device="cuda")
+    outs = {}
+    for chunk in (1, 16):
+        out = torch.full((t, h, r), 7.0, device="cuda")
+        _combine_kernel[(t * h,)](
+            po, plse, out, starts, lens, len(q_starts), out.stride(0), out.stride(1), nsplit,
+            H=h, R=r, PDL=False, CHUNK=chunk,
+        )  # fmt: skip
+        outs[chunk] = out
+    assert torch.equal(outs[1], outs[16])
+    inside = torch.zeros(t, dtype=torch.bool)
+    for s, n in zip(q_starts, q_lens, strict=True):
+        inside[s : s + n] = True
+    got = outs[16].cpu()
+    assert torch.equal(got[~inside], torch.zeros_like(got[~inside]))
+    lse, o = plse.cpu().double(), po.cpu().double()
+    m = lse.amax(-1, keepdim=True).clamp(min=-1e300)
+    w = torch.where(torch.isinf(lse), 0.0, torch.exp2(lse - m))  # [T, H, S]
+    ref = (torch.nan_to_num(o) * w[..., None]).sum(-2) / w.sum(-1, keepdim=True).clamp(min=1e-30)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got[inside].double(), ref[inside], rtol=1e-5, atol=1e-5)
