@@ -271,29 +271,22 @@ def _tree_attn_inv_kernel(
 def _combine_kernel(
     po_ptr, plse_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, BS: tl.constexpr = 64,
-    BB: tl.constexpr = 16, CHUNK: tl.constexpr = 16,
 ):  # fmt: skip
     """Merge a row's split partials: m = the max of the log-sum-exps (exact in any order), then
     acc and the denominator summed in split order with weights exp2(lse - m). Empty splits
     (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
-    splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. A row in
-    no block (q_starts / q_lens) has no partials written: it gets 0.
-    Loads go out in batches with no branch between them: the blocks' ranges BB at a time, the
-    lses BS at a time, the partials CHUNK splits at a time (an unrolled run; a split past NSPLIT
-    reads nothing and adds +0.0, which leaves the sums' bits unchanged, as they are never
-    -0.0), so a row waits on a few memory round trips, not one or two per split."""
+    splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
+    branch in the loops: the partial loads are independent and pipeline. A row in no block
+    (q_starts / q_lens) has no partials written: it gets 0."""
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
     inside = tl.zeros([], dtype=tl.int32)
-    for b0 in range(0, nblocks, BB):  # the batch's blocks, BB per batch of loads
-        bb = b0 + tl.arange(0, BB)
-        ok = bb < nblocks
-        q0 = tl.load(q_starts_ptr + bb, mask=ok, other=0)
-        q1 = q0 + tl.load(q_lens_ptr + bb, mask=ok, other=0)
-        inside += tl.sum((ok & (q0 <= t) & (t < q1)).to(tl.int32), 0)
+    for b in range(0, nblocks):  # a few blocks per call (the batch); O(blocks) per program
+        q0 = tl.load(q_starts_ptr + b)
+        inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b))).to(tl.int32)
     if inside == 0:
         tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, tl.zeros([R], tl.float32).to(
             out_ptr.dtype.element_ty))  # fmt: skip
@@ -306,23 +299,16 @@ def _combine_kernel(
     m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
     den = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([R], dtype=tl.float32)
-    for s0 in range(0, NSPLIT, CHUNK):
-        for j in tl.static_range(CHUNK):  # in split order
-            s = s0 + j
-            lse = tl.load(plse_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=float("-inf"))
-            live = lse > float("-inf")
-            o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr, mask=dr < tl.where(live, R, 0),
-                        other=0.0)  # fmt: skip
-            w = tl.where(live, tl.exp2(lse - m), 0.0)
-            acc += o * w
-            den += w
+    for s in tl.range(0, NSPLIT, loop_unroll_factor=4):  # unrolled: loads run ahead
+        lse = tl.load(plse_ptr + row * NSPLIT + s)
+        live = lse > float("-inf")
+        o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr, mask=dr < tl.where(live, R, 0), other=0.0)
+        w = tl.where(live, tl.exp2(lse - m), 0.0)
+        acc += o * w
+        den += w
     res = acc / tl.maximum(den, 1.0e-30)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
-
-# Splits whose partials the merge loads in one unrolled run (the same bits for any value;
-# benchmarks set 1 to time the merge one split at a time).
-COMBINE_CHUNK = 16
 
 # The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
@@ -424,6 +410,6 @@ def tree_mla_attention_invariant(
     if nsplit > 1:
         _combine_kernel[(t * h,)](
             po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
-            nsplit, H=h, R=r, CHUNK=COMBINE_CHUNK, **launch,
+            nsplit, H=h, R=r, **launch,
         )  # fmt: skip
     return out
