@@ -23,8 +23,7 @@ under several kernel launch variants in one process (same weights, same inputs):
 attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
 stream), "side-first" (the shared expert's branch forked before the router instead of after
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
-launch of its own and the query's RoPE in `mla_rope_cache`), "mm-bk128" (the decode matmuls'
-K step 128 in 3 stages instead of 64 in 4: `invariant_configs._dense` replaced).
+launch of its own and the query's RoPE in `mla_rope_cache`).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -61,7 +60,7 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the latent path unsplit (q_a_layernorm's own launch, the query's RoPE in mla_rope_cache)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "mm-bk128")  # fmt: skip
+            "no-latent-fusion")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -351,10 +350,7 @@ def use_router_fma() -> None:
 def variant(runner, name: str):
     """The runner's kernel configuration, the PDL prefetches and the model's switches set for one
     launch variant, and restored after it."""
-    from ddserve.kernels import invariant_configs
-
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
-    dense = invariant_configs._dense
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
@@ -365,10 +361,6 @@ def variant(runner, name: str):
     elif name == "no-latent-fusion":
         for mod, _ in attention:
             mod.latent_fusion = False
-    elif name == "mm-bk128":
-        invariant_configs._dense = lambda n, k, heads: dense(n, k, heads)._replace(
-            block_k=128, stages=3
-        )
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
@@ -377,7 +369,6 @@ def variant(runner, name: str):
         yield
     finally:
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
-        invariant_configs._dense = dense
         for mod, fused in attention:
             mod.latent_fusion = fused
 
