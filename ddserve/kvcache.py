@@ -115,9 +115,12 @@ class SlotTable:
             self._free.append(row)
 
     def append(self, items: list[tuple[object, int, list[int]]]) -> None:
-        """items: (sid, position of the first new slot, new slots) -> one indexed write."""
-        rows, cols, vals = [], [], []
+        """items: (sid, position of the first new slot, new slots) -> one indexed write. A write
+        past the end of a row raises IndexError before anything is written."""
+        rows, cols, vals, width = [], [], [], self.max_len
         for sid, start, slots in items:
+            if start + len(slots) > width:
+                raise IndexError(f"stream {sid!r}: {start + len(slots)} slots, rows hold {width}")
             rows += [self._row[sid]] * len(slots)
             cols += range(start, start + len(slots))
             vals += slots

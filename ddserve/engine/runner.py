@@ -215,8 +215,9 @@ class ModelRunner:
         """The forward over q new rows per stream (AR: q = 1; `mask` [B, q, q] the rows'
         visibility within a block), by graph replay when enabled and the shape fits, else
         eagerly: (model output, the greedy token of each row, or None when eager). ids and pos
-        [B * q]: host ints (the graph takes them in its one input copy) or tensors."""
-        as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else list(x)  # noqa: E731
+        [B * q]: host ints (the graph takes them in its one input copy) or tensors. `mask` may
+        be None when q = 1 (a one-row block sees itself)."""
+        as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else x  # noqa: E731
         if self._graphs is not None:
             res = self._graphs.run(
                 as_list(ids), as_list(pos), self.slot_table.rows([st.sid for st in sts]),
@@ -227,6 +228,8 @@ class ModelRunner:
                 self.target_forwards += 1
                 return res
         ids, pos = (torch.as_tensor(x, device=self.device) for x in (ids, pos))
+        if mask is None:
+            mask = torch.ones(len(sts), 1, 1, dtype=torch.bool)
         return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask)), None
 
     def _verify(self, sts: list[Stream], draft, rows, bonus: list[int], blocks, n: int):
@@ -349,8 +352,13 @@ class ModelRunner:
                 st.prompt_hidden.append(h)
 
     def _alloc_scratch(self, sizes: list[int]) -> list[list[int]]:
-        """Slots for this forward's new tokens (within each stream's reservation)."""
-        return [self.allocator.alloc(n) for n in sizes]
+        """Slots for this forward's new tokens (within each stream's reservation), taken in one
+        allocation: block b gets the next sizes[b] slots the pool hands out."""
+        flat, blocks, i = self.allocator.alloc(sum(sizes)), [], 0
+        for n in sizes:
+            blocks.append(flat[i : i + n])
+            i += n
+        return blocks
 
     @contextmanager
     def _free_on_error(self, blocks: list[list[int]]) -> Iterator[None]:
@@ -372,8 +380,7 @@ class ModelRunner:
         with self._free_on_error(new):
             ids = [st.output[-1] for st in sts]
             pos = [len(st.slots) for st in sts]
-            ones = torch.ones(len(sts), 1, 1, dtype=torch.bool)
-            out, greedy = self._decode_forward(sts, 1, new, ones, ids, pos)
+            out, greedy = self._decode_forward(sts, 1, new, None, ids, pos)
             if greedy is not None and all(st.params.greedy for st in sts):
                 toks = greedy.tolist()  # one D2H copy
             else:
@@ -428,13 +435,16 @@ class ModelRunner:
                 (st.sid, [st.output[-1]] + t[:-1], None if hidden is None else hidden[i, : len(t)])
                 for i, (st, t) in enumerate(zip(sts, toks, strict=True))
             ])  # fmt: skip
-        outs, kept_slots = {}, []
+        outs, kept_slots, dropped = {}, [], []
         for st, block, path, tk in zip(sts, blocks, paths, toks, strict=True):
             kept = set(path)
-            self.allocator.free([s for r, s in enumerate(block) if r not in kept])
+            dropped.append([s for r, s in enumerate(block) if r not in kept])
             kept_slots.append((st, [block[r] for r in path]))
             st.steps += 1
             st.committed.append(len(tk))
-            outs[st.sid] = dataclasses.replace(st.emit(tk), accepted_rows=tuple(path[1:]))
+            outs[st.sid] = st.emit(tk, accepted_rows=tuple(path[1:]))
+        # one free, the last stream's slots first: the pool's free list ends as one free per
+        # stream in batch order would leave it (slots are handed out again in that order)
+        self.allocator.free([s for d in reversed(dropped) for s in d])
         self._keep_slots(kept_slots)
         return self._finish(outs)

@@ -41,8 +41,9 @@ class Stream:
     def prefilled(self) -> bool:
         return bool(self.output)
 
-    def emit(self, tokens: list[int]) -> StepOutput:
-        """Append tokens up to the first stop or max_tokens; never past it."""
+    def emit(self, tokens: list[int], accepted_rows: tuple[int, ...] = ()) -> StepOutput:
+        """Append tokens up to the first stop or max_tokens; never past it. `accepted_rows` goes
+        into the StepOutput as it is."""
         out: list[int] = []
         for t in tokens:
             out.append(t)
@@ -53,7 +54,7 @@ class Stream:
             if len(self.output) >= self.params.max_tokens:
                 self.finished = "length"
                 break
-        return StepOutput(out, self.finished)
+        return StepOutput(out, self.finished, accepted_rows)
 
 
 def stop_ids(params: SamplingParams, eos: int | tuple[int, ...] | None) -> frozenset[int]:

@@ -117,3 +117,108 @@ def test_slot_table_mirrors_appends_and_reuses_rows():
         got = table.prefix(sids, lens)
         for i, s in enumerate(sids):
             assert got[i, : lens[i]].tolist() == lists[s]
+
+
+def _table_rows(table, lists: dict) -> dict:
+    sids = list(lists)
+    got = table.prefix(sids, [len(lists[s]) for s in sids])
+    return {s: got[i, : len(lists[s])].tolist() for i, s in enumerate(sids)}
+
+
+def test_slot_table_long_append_then_a_short_one():
+    """A long append (1,500 slots at once, as a long prompt's chunks add) and a short one after
+    it both land where they belong."""
+    from ddserve.kvcache import SlotTable
+
+    table = SlotTable(max_len=2048, device="cpu", rows=2)
+    table.add("a")
+    big = list(range(5000, 6500))
+    table.append([("a", 0, big)])
+    table.append([("a", 1500, [7, 8])])
+    assert _table_rows(table, {"a": big + [7, 8]}) == {"a": big + [7, 8]}
+
+
+def test_slot_table_append_writes_several_streams_in_one_call():
+    from ddserve.kvcache import SlotTable
+
+    table, lists = SlotTable(max_len=32, device="cpu", rows=4), {}
+    for sid, first in (("x", [1, 2, 3]), ("y", [4]), ("z", [])):
+        table.add(sid)
+        lists[sid] = list(first)
+    table.append([(sid, 0, list(slots)) for sid, slots in lists.items()])
+    new = {"x": [9], "y": [10, 11, 12], "z": [13, 14]}
+    table.append([(sid, len(lists[sid]), new[sid]) for sid in ("z", "x", "y")])
+    for sid in lists:
+        lists[sid] += new[sid]
+    assert _table_rows(table, lists) == lists
+
+
+def test_slot_table_append_past_the_end_of_a_row_raises_and_writes_nothing():
+    from ddserve.kvcache import SlotTable
+
+    table = SlotTable(max_len=4, device="cpu", rows=2)
+    table.add(0)
+    table.add(1)
+    table.append([(0, 0, [5, 6])])
+    with pytest.raises(IndexError):
+        table.append([(1, 0, [7]), (0, 2, [8, 9, 10])])
+    assert _table_rows(table, {0: [5, 6], 1: []}) == {0: [5, 6], 1: []}
+    assert table.table[1].tolist() == [0, 0, 0, 0]
+
+
+def test_a_step_takes_the_slots_one_alloc_per_block_would(tiny_model_dir):
+    """A step allocates all its blocks at once; each block gets what allocating the blocks one
+    by one would have given it."""
+    import copy
+
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, engine_cfg=EngineConfig(num_slots=64, budget=4),
+                         device="cpu")  # fmt: skip
+    runner.allocator.free(runner.allocator.alloc(40)[::3])  # a scrambled free list
+    sizes = [3, 1, 5, 2]
+    one_by_one = copy.deepcopy(runner.allocator)
+    assert runner._alloc_scratch(sizes) == [one_by_one.alloc(n) for n in sizes]
+    assert runner.allocator.alloc(10) == one_by_one.alloc(10)
+
+
+def test_slot_table_equals_the_streams_slot_lists_across_ar_and_ddtree_steps(tiny_model_dir):
+    """After every step of a mix of AR and DDTree steps (streams joining and finishing), the
+    device table holds each stream's committed slots in order, and the pool holds the rest."""
+    from ddserve.drafter.testing import RandomDrafter
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.runner import ModelRunner
+    from ddserve.sampling import SamplingParams
+
+    cfg = EngineConfig(num_slots=1024, budget=6, max_streams=4)
+    runner = ModelRunner(tiny_model_dir, engine_cfg=cfg, device="cpu",
+                         drafter=RandomDrafter(264, depth=4, seed=3))  # fmt: skip
+    prompts = [[5, 6, 7], [100, 101], list(range(30, 45)), [200], [9, 8, 7, 6, 5]]
+    rng = random.Random(0)
+
+    def check() -> None:
+        lists = {sid: st.slots for sid, st in runner.streams.items() if st.slots}
+        assert _table_rows(runner.slot_table, lists) == lists
+        held = [s for st in runner.streams.values() for s in st.slots]
+        assert len(held) == len(set(held)) == runner.allocator.num_used
+
+    steps = 0
+    for i, p in enumerate(prompts):
+        runner.add_stream(i, p, SamplingParams(max_tokens=rng.randint(4, 14)))
+        runner.prefill()
+        check()
+        for _ in range(rng.randint(1, 3)):
+            sids = list(runner.streams)
+            if not sids:
+                break
+            if rng.random() < 0.5:
+                runner.ar_step(sids)
+            else:
+                runner.ddtree_step(sids, rng.choice([1, 3, 6]))
+            steps += 1
+            check()
+    while runner.streams:
+        runner.ddtree_step(list(runner.streams))
+        check()
+    assert steps > 5 and runner.allocator.num_used == 0
