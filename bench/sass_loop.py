@@ -1,0 +1,168 @@
+"""Where the loads of a kernel's main loop sit in its sm_90 SASS, compiled offline (no GPU).
+
+    python bench/sass_loop.py                           # the MoE up GEMM at one token (BM 8)
+    python bench/sass_loop.py --kernel down --set BM=16 --set DEPTH=2 --out loop.json
+
+Compiles a W4A16 MoE kernel (`moe_gluon._w4_up_silu_kernel` or `_w4_gemm_kernel` as the down
+projection) for sm_90 with Triton's bundled ptxas, integer arguments specialised for 16-byte
+divisibility as the runtime specialises them (without that, loads come out scalar), disassembles
+it (cuobjdump) and finds the main loop: the backward branch that spans the most instructions.
+For each global load in the loop it reports where it is issued (instructions from the loop's
+start) and how many instructions later its first destination register is read, wrapping around
+the back edge: a load whose value is read a few instructions later makes the warp wait a whole
+memory latency (~600-1000 cycles from HBM) each iteration, unless other warps on the same
+scheduler have work. The MoE kernels run one 4-warp program per SM at one token, so one warp
+per scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT_INTS = ("num_pairs", "num_mblocks")  # runtime ints the kernels do not specialise
+INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+REG = re.compile(r"\bR(\d+)\b")
+
+
+def _kernel(name: str):
+    from ddserve.kernels import moe_gluon
+
+    if name == "up":
+        sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", part_ptr="*fp32",
+                   pairs_ptr="*i64", bexp_ptr="*i64", h_ptr="*bf16", ticket_ptr="*i32")  # fmt: skip
+        ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_ps",
+                "stride_pr", "stride_h", "expert_words", "expert_scales")  # fmt: skip
+        consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True)
+        return moe_gluon._w4_up_silu_kernel, sig, ints, consts
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", pairs_ptr="*i64",
+               bexp_ptr="*i64", tw_ptr="*fp32")  # fmt: skip
+    ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_os",
+            "stride_or", "expert_words", "expert_scales")  # fmt: skip
+    consts = dict(TOPK=8, GATHER=False, W=4, NREP=2, BM=8, KS_TOTAL=2, KSTEPS=2, NT=4, SPLIT=1,
+                  DOWN=True, DEPTH=1, PDL=True)  # fmt: skip
+    return moe_gluon._w4_gemm_kernel, sig, ints, consts
+
+
+def compile_sass(kernel: str, overrides: dict) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn, sig, ints, consts = _kernel(kernel)
+    unknown = set(overrides) - set(consts)
+    if unknown:
+        raise SystemExit(f"--set: unknown constexprs {sorted(unknown)} (known: {sorted(consts)})")
+    consts.update(overrides)
+    sig.update(dict.fromkeys(ints, "i32"))
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    div = [n for n in sig if sig[n] != "constexpr" and n not in ROOT_INTS]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                       options={"num_warps": consts["W"], "launch_pdl": consts["PDL"]})  # fmt: skip
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def parse(sass: str) -> list[tuple[int, str]]:
+    """[(byte offset, instruction text)] in program order."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in INSTR.finditer(sass)]
+
+
+def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
+    """(first, last) instruction indices of the backward branch that spans the most."""
+    at = {off: i for i, (off, _) in enumerate(ins)}
+    best = None
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"\bBRA 0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < i:
+            span = (at[int(m.group(1), 16)], i)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    if best is None:
+        raise SystemExit("no backward branch: the kernel has no loop")
+    return best
+
+
+def _dests(text: str) -> set[int]:
+    """Registers a load writes: R<n> and, for .64 / .128, the ones after it."""
+    regs = REG.findall(text.split(",")[0])
+    if not regs:
+        return set()
+    width = 4 if ".128" in text else 2 if ".64" in text else 1
+    return set(range(int(regs[0]), int(regs[0]) + width))
+
+
+def _sources(text: str) -> set[int]:
+    parts = text.split(",", 1)
+    srcs = parts[1] if len(parts) > 1 else ""
+    if re.match(r"(@!?P\d+\s+)?(ST|STG|STS|RED|ATOM)", text):  # stores read every operand
+        srcs = text
+    return {int(r) for r in REG.findall(srcs)}
+
+
+def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
+    body = [text for _, text in ins[first : last + 1]]
+    n = len(body)
+    loads = []
+    for i, text in enumerate(body):
+        if "LDG" not in text:
+            continue
+        dest, use = _dests(text), None
+        for d in range(1, n + 1):  # program order, around the back edge
+            if dest & _sources(body[(i + d) % n]):
+                use = d
+                break
+        loads.append(dict(at=i, load=text.split()[0] if "@" not in text else " ".join(
+            text.split()[:2]), read_after=use))  # fmt: skip
+    return dict(
+        instructions=n,
+        mma=sum("HMMA" in t or "HGMMA" in t for t in body),
+        loads=loads,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--kernel", choices=("up", "down"), default="up")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a constexpr of the kernel (repeatable), e.g. BM=16, DEPTH=2")  # fmt: skip
+    ap.add_argument("--sass", default=None, help="also write the whole SASS here")
+    ap.add_argument("--out", default=None, help="JSON path")
+    args = ap.parse_args()
+    overrides = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        overrides[name] = {"True": True, "False": False}.get(value, None)
+        if overrides[name] is None:
+            overrides[name] = int(value)
+    sass = compile_sass(args.kernel, overrides)
+    if args.sass:
+        Path(args.sass).write_text(sass)
+    ins = parse(sass)
+    first, last = main_loop(ins)
+    rep = dict(kernel=args.kernel, overrides=overrides, **loads_report(ins, first, last))
+    print(f"{args.kernel} {overrides}: main loop {rep['instructions']} instructions, "
+          f"{rep['mma']} MMAs")  # fmt: skip
+    for ld in rep["loads"]:
+        print(
+            f"  +{ld['at']:4d}  {ld['load']:<34} first read {ld['read_after']} instructions later"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(rep, indent=1))
+
+
+if __name__ == "__main__":
+    main()
