@@ -6,8 +6,7 @@
 Compiles a W4A16 MoE kernel (`moe_gluon._w4_up_silu_kernel` or `_w4_gemm_kernel` as the down
 projection) for sm_90 with Triton's bundled ptxas, integer arguments specialised for 16-byte
 divisibility as the runtime specialises them (without that, loads come out scalar), disassembles
-it (cuobjdump) and finds the main loop: the backward branch that spans the most instructions
-(with UNROLL=True the kernel is straight-line code, reported whole).
+it (cuobjdump) and finds the main loop: the backward branch that spans the most instructions.
 For each global load in the loop it reports where it is issued (instructions from the loop's
 start) and how many instructions later its first destination register is read, wrapping around
 the back edge: a load whose value is read a few instructions later makes the warp wait a whole
@@ -41,15 +40,14 @@ def _kernel(name: str):
                    pairs_ptr="*i64", bexp_ptr="*i64", h_ptr="*bf16", ticket_ptr="*i32")  # fmt: skip
         ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_ps",
                 "stride_pr", "stride_h", "expert_words", "expert_scales")  # fmt: skip
-        consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1,
-                      UNROLL=False, PDL=True)  # fmt: skip
+        consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True)
         return moe_gluon._w4_up_silu_kernel, sig, ints, consts
     sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", pairs_ptr="*i64",
                bexp_ptr="*i64", tw_ptr="*fp32")  # fmt: skip
     ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_os",
             "stride_or", "expert_words", "expert_scales")  # fmt: skip
     consts = dict(TOPK=8, GATHER=False, W=4, NREP=2, BM=8, KS_TOTAL=2, KSTEPS=2, NT=4, SPLIT=1,
-                  DOWN=True, DEPTH=1, UNROLL=False, PDL=True)  # fmt: skip
+                  DOWN=True, DEPTH=1, PDL=True)  # fmt: skip
     return moe_gluon._w4_gemm_kernel, sig, ints, consts
 
 
@@ -83,9 +81,8 @@ def parse(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2).strip()) for m in INSTR.finditer(sass)]
 
 
-def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
-    """(first, last) instruction indices of the backward branch that spans the most; None for
-    straight-line code (an unrolled kernel)."""
+def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
+    """(first, last) instruction indices of the backward branch that spans the most."""
     at = {off: i for i, (off, _) in enumerate(ins)}
     best = None
     for i, (_, text) in enumerate(ins):
@@ -94,6 +91,8 @@ def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
             span = (at[int(m.group(1), 16)], i)
             if best is None or span[1] - span[0] > best[1] - best[0]:
                 best = span
+    if best is None:
+        raise SystemExit("no backward branch: the kernel has no loop")
     return best
 
 
@@ -114,9 +113,7 @@ def _sources(text: str) -> set[int]:
     return {int(r) for r in REG.findall(srcs)}
 
 
-def loads_report(ins: list[tuple[int, str]], first: int, last: int, wrap: bool = True) -> dict:
-    """Per global load of ins[first .. last]: where it is and how many instructions later its
-    value is first read (around the back edge when `wrap`, i.e. for a loop body)."""
+def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
     body = [text for _, text in ins[first : last + 1]]
     n = len(body)
     loads = []
@@ -124,7 +121,7 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int, wrap: bool =
         if "LDG" not in text:
             continue
         dest, use = _dests(text), None
-        for d in range(1, n + 1 if wrap else n - i):  # program order (around the back edge)
+        for d in range(1, n + 1):  # program order, around the back edge
             if dest & _sources(body[(i + d) % n]):
                 use = d
                 break
@@ -155,12 +152,9 @@ def main() -> None:
     if args.sass:
         Path(args.sass).write_text(sass)
     ins = parse(sass)
-    loop = main_loop(ins)
-    first, last = loop if loop is not None else (0, len(ins) - 1)
-    rep = dict(kernel=args.kernel, overrides=overrides, loop=loop is not None,
-               **loads_report(ins, first, last, wrap=loop is not None))  # fmt: skip
-    where = "main loop" if loop is not None else "straight-line kernel (no loop)"
-    print(f"{args.kernel} {overrides}: {where} {rep['instructions']} instructions, "
+    first, last = main_loop(ins)
+    rep = dict(kernel=args.kernel, overrides=overrides, **loads_report(ins, first, last))
+    print(f"{args.kernel} {overrides}: main loop {rep['instructions']} instructions, "
           f"{rep['mma']} MMAs")  # fmt: skip
     for ld in rep["loads"]:
         print(
