@@ -217,6 +217,8 @@ class ModelRunner:
         eagerly: (model output, the greedy token of each row, or None when eager). ids and pos
         [B * q]: host ints (the graph takes them in its one input copy) or tensors. `mask` may
         be None when q = 1 (a one-row block sees itself)."""
+        if mask is None and q != 1:
+            raise ValueError(f"a block of {q} rows needs its visibility mask")
         as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else x  # noqa: E731
         if self._graphs is not None:
             res = self._graphs.run(
@@ -443,8 +445,8 @@ class ModelRunner:
             st.steps += 1
             st.committed.append(len(tk))
             outs[st.sid] = st.emit(tk, accepted_rows=tuple(path[1:]))
-        # one free, the last stream's slots first: the pool's free list ends as one free per
-        # stream in batch order would leave it (slots are handed out again in that order)
+        # one free, the last stream's slots first: the next allocations hand out the last
+        # stream's dropped slots first, each block's in row order
         self.allocator.free([s for d in reversed(dropped) for s in d])
         self._keep_slots(kept_slots)
         return self._finish(outs)

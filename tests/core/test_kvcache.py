@@ -222,3 +222,65 @@ def test_slot_table_equals_the_streams_slot_lists_across_ar_and_ddtree_steps(tin
         runner.ddtree_step(list(runner.streams))
         check()
     assert steps > 5 and runner.allocator.num_used == 0
+
+
+def test_a_step_that_runs_out_of_slots_takes_none(tiny_model_dir):
+    """When the pool holds enough for the first blocks of a step but not all of them, the step's
+    allocation raises and leaves the pool as it was."""
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.runner import ModelRunner
+    from ddserve.kvcache import OutOfSlots
+
+    runner = ModelRunner(tiny_model_dir, engine_cfg=EngineConfig(num_slots=64, budget=4),
+                         device="cpu")  # fmt: skip
+    runner.allocator.alloc(54)  # 10 left: a first block of 4 fits, three do not
+    free = runner.allocator.num_free
+    with pytest.raises(OutOfSlots):
+        runner._alloc_scratch([4, 4, 4])
+    assert runner.allocator.num_free == free == 10
+
+
+def test_a_ddtree_step_leaves_the_free_list_as_one_free_per_stream_would(tiny_model_dir):
+    """The dropped tree slots of a DDTree step go back in one free; the pool's free list then
+    equals the one that allocating each block alone and freeing each stream's dropped slots in
+    batch order gives, so later steps place their KV in the same slots."""
+    import copy
+
+    from ddserve.drafter.testing import RandomDrafter
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.runner import ModelRunner
+    from ddserve.sampling import SamplingParams
+
+    budget = 6
+    runner = ModelRunner(tiny_model_dir, device="cpu",
+                         engine_cfg=EngineConfig(num_slots=1024, budget=budget, max_streams=4),
+                         drafter=RandomDrafter(264, depth=4, seed=5))  # fmt: skip
+    for sid, prompt in enumerate([[5, 6, 7], list(range(30, 41)), [200, 3]]):
+        runner.add_stream(sid, prompt, SamplingParams(max_tokens=200))
+    runner.prefill()
+    sids = list(runner.streams)
+    for _ in range(3):
+        ref = copy.deepcopy(runner.allocator)
+        before = {sid: len(runner.streams[sid].slots) for sid in sids}
+        blocks = [ref.alloc(budget + 1) for _ in sids]
+        runner.ddtree_step(sids)
+        for sid, block in zip(sids, blocks, strict=True):
+            kept = set(runner.streams[sid].slots[before[sid] :])
+            assert kept <= set(block)  # the step took the slots one alloc per block gives
+            ref.free([s for s in block if s not in kept])
+        assert runner.allocator._free == ref._free
+
+
+def test_a_multi_row_block_needs_its_mask(tiny_model_dir):
+    """Only one-row blocks may leave the visibility mask out (a row sees itself)."""
+    from ddserve.engine.config import EngineConfig
+    from ddserve.engine.runner import ModelRunner
+    from ddserve.sampling import SamplingParams
+
+    runner = ModelRunner(tiny_model_dir, engine_cfg=EngineConfig(num_slots=64, budget=4),
+                         device="cpu")  # fmt: skip
+    runner.add_stream("a", [5, 6, 7], SamplingParams(max_tokens=8))
+    runner.prefill()
+    st = runner.streams["a"]
+    with pytest.raises(ValueError, match="mask"):
+        runner._decode_forward([st], 2, [[60, 61]], None, [1, 2], [3, 4])
