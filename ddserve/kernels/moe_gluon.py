@@ -248,13 +248,6 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     s_base = s_ptr + e.to(gl.int64) * expert_scales + tile0.to(gl.int64) * NS
     w_off = gl.arange(0, NW, layout=w_l)
     s_off = gl.arange(0, NS, layout=s_l)
-    # the block's output rows, once: each n-tile's store reads them without a load of its own
-    row_o = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    pair_o = gl.load(pairs_ptr + row_o)
-    if DOWN:  # the pairs' top-k weights
-        wt_o = gl.load(tw_ptr + pair_o, mask=pair_o < num_pairs, other=0.0)
-    else:
-        wt_o = pair_o  # (unused)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     w1 = gl.load(w_base + w_off)  # steps 0 (and 1) in flight before the loop
     if DEPTH == 2:
@@ -279,19 +272,20 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
         acc = mma_v2(a, b, acc)
         if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
             nt = pid_n * NT + t // KSTEPS
-            _store(acc, out_ptr, row_o, pair_o, wt_o, pid_s, nt, num_pairs, N, stride_os,
-                   stride_or, mma, BN, DOWN)  # fmt: skip
+            _store(acc, out_ptr, pairs_ptr, tw_ptr, pid_m, pid_s, nt, num_pairs, N, stride_os,
+                   stride_or, mma, BM, BN, DOWN)  # fmt: skip
             acc = gl.zeros([BN, BM], gl.float32, layout=mma)
 
 
 @gluon.jit
-def _store(acc, out_ptr, row, pair, wt, pid_s, nt, num_pairs, N, stride_os, stride_or,
-           mma: gl.constexpr, BN: gl.constexpr, DOWN: gl.constexpr):  # fmt: skip
-    """Store n-tile nt of the block: `row` its rows, `pair` their pairs, `wt` (DOWN) the pairs'
-    top-k weights, all [BM] in the accumulator's column layout, loaded once per program."""
+def _store(acc, out_ptr, pairs_ptr, tw_ptr, pid_m, pid_s, nt, num_pairs, N, stride_os, stride_or,
+           mma: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DOWN: gl.constexpr):  # fmt: skip
     n = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    row = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    pair = gl.load(pairs_ptr + row)
     ok = gl.expand_dims(n < N, 1) & gl.expand_dims(pair < num_pairs, 0)
     if DOWN:  # y [P, N]: the pair's row, times its top-k weight
+        wt = gl.load(tw_ptr + pair, mask=pair < num_pairs, other=0.0)
         val = acc * gl.expand_dims(wt, 0)
         r = pair.to(gl.int64)
     else:  # part [SPLIT, rows, N]: the block row
