@@ -118,7 +118,8 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
     n = len(body)
     loads = []
     for i, text in enumerate(body):
-        if "LDG" not in text:
+        op = text.split()[1] if text.startswith("@") else text.split()[0]
+        if not (op == "LDG" or op.startswith("LDG.")):  # register loads (not LDGSTS, LDGDEPBAR)
             continue
         dest, use = _dests(text), None
         for d in range(1, n + 1):  # program order, around the back edge

@@ -13,6 +13,7 @@ SASS = """
         /*0030*/                   IADD3 R20, R12, 0x1, RZ ;  /* 0x000000010c147810 */
         /*0040*/                   FADD R21, R9, R21 ;  /* 0x0000001509157221 */
         /*0050*/                   LDG.E R30, desc[UR6][R6.64] ;  /* 0x0000000606067981 */
+        /*0058*/                   LDGDEPBAR ;  /* 0x000000000000799a */
         /*0060*/               @P1 BRA 0x10 ;  /* 0xffffffec003c1947 */
         /*0070*/                   STG.E desc[UR6][R2.64], R30 ;  /* 0x0000001e02007986 */
         /*0080*/                   EXIT ;  /* 0x000000000000794d */
@@ -21,11 +22,11 @@ SASS = """
 
 def test_the_main_loop_and_each_loads_first_read() -> None:
     ins = sass_loop.parse(SASS)
-    assert len(ins) == 9 and ins[1] == (0x10, "LDG.E.128 R8, desc[UR6][R2.64]")
+    assert len(ins) == 10 and ins[1] == (0x10, "LDG.E.128 R8, desc[UR6][R2.64]")
     first, last = sass_loop.main_loop(ins)
-    assert (first, last) == (1, 6)
+    assert (first, last) == (1, 7)
     rep = sass_loop.loads_report(ins, first, last)
-    assert rep["instructions"] == 6 and rep["mma"] == 0
+    assert rep["instructions"] == 7 and rep["mma"] == 0  # LDGDEPBAR is not a load
     # R8..R11 first read by the FADD (R9), 3 later; R12..R13 by the IADD3, 1 later; R30 is never
     # read inside the loop (only by the store after it)
     assert [(ld["at"], ld["read_after"]) for ld in rep["loads"]] == [(0, 3), (1, 1), (4, None)]
