@@ -6,11 +6,16 @@ of the model replaced by a pass-through, and the graph's nodes by type and kerne
 Builds the benchmark's model (`bench_engine.setup`, one stream), captures the AR forward graph
 with the MoE, its router / shared expert / routed experts, or the attention replaced by a
 pass-through, and times each graph's launch with the device idle (host time inside `replay()`,
-median of --reps). It also dumps the full graph's nodes (`cudaGraphDebugDotPrint`, next to
---out) and counts them by type and kernel name. The bisected graphs' outputs are meaningless;
-only their launch is measured. Run it in a process that has not used the torch profiler: the
-profiler leaves CUPTI attached, and every later launch then costs ~0.5 ms
-(`graph_launch.py`'s after-profiler case).
+median of --reps) and one replay on the device (events around it on an idle device, so it also
+holds part of the launch). Variants run once each, in a fixed order, and launch times drift
+through a run (7.7 us for the first, 26 for the fifth in the committed run): compare their
+device times, not their launches. "moe-routed-only" runs the routed experts through
+`backend.moe`, with a combine launch that the real layer folds into the shared expert's down
+matmul. It also dumps the full graph's nodes (`cudaGraphDebugDotPrint`, next to --out) and
+counts them by type and kernel name. The bisected graphs' outputs are meaningless. Run it in a
+process that has not used the torch profiler: the profiler leaves CUPTI attached, and every
+later launch of a 1,100-node graph then costs 0.2-0.9 ms (`graph_launch.py`'s after-profiler
+case).
 """
 
 from __future__ import annotations
@@ -92,6 +97,10 @@ def _dot_counts(path: Path) -> dict:
 
 def main() -> None:
     argv = [a for a in sys.argv[1:]]
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        print("--reps N: timed launches per variant (9). Other options: bench_engine.py's "
+              "(--batches is always 1 and --cuda-graphs on):\n")  # fmt: skip
     reps = 9
     if "--reps" in argv:
         i = argv.index("--reps")
@@ -139,7 +148,9 @@ def main() -> None:
             if debug and args.out:
                 dot = Path(args.out).resolve().with_suffix(".dot")
                 dot.parent.mkdir(parents=True, exist_ok=True)
-                captured[-1].debug_dump(str(dot))
+                captured[-1].debug_dump(str(dot))  # (torch only warns when it cannot)
+                if not dot.exists():
+                    raise RuntimeError(f"debug_dump wrote no {dot.name}")
                 row["dot"] = _dot_counts(dot)
         except Exception as e:  # noqa: BLE001 - one failed variant must not lose the rest
             row = dict(variant=name, error=f"{type(e).__name__}: {str(e)[:300]}")

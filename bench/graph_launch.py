@@ -6,7 +6,8 @@ A chain of N one-program Triton kernels (each adds 1 to one float) is captured i
 launched with programmatic dependent launch (`launch_pdl`, the forward's kernels) or without,
 on one stream or forked over two (the forward's shared-expert side branch). Per case: the
 host's time inside `replay()` with the device idle (median of --reps), the device time of one
-replay, and whether the chain's result is right (N per replay). This separates the launch's
+replay (events around it on an idle device, so it also holds part of the launch), and whether
+the chain's result is right (N per replay). This separates the launch's
 per-node cost from what the engine's forward graph adds. Last, one 1,100-node PDL graph's launch
 while more and more other graphs like it stay instantiated (--alive), and before and after a
 torch profiler session.
@@ -171,7 +172,7 @@ def main() -> None:
                     f"{r['launch_us']:7.1f} us (min {r['launch_us_min']:.1f}), device "
                     f"{r['device_us']:7.1f} us, right {r['result_right']}", flush=True,
                 )  # fmt: skip
-    counts = [int(v) for v in args.alive.split(",")]
+    counts = sorted(int(v) for v in args.alive.split(","))
     many = alive(1100, counts, args.reps)
     prof = after_profiler(1100, args.reps)
     write_json(args.out, dict(env=environment(), benchmark="graph_launch", cases=rows, alive=many,

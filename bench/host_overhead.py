@@ -13,10 +13,10 @@ Per configuration (AR at each --batches, DDTree with the perfect oracle at --bud
 - host_top: cProfile's functions by total time over the profiled steps (us per step);
 - idle: the device's idle gaps over 3 steps (torch profiler, which slows every launch: read
   the gaps' causes, not their lengths) and the host ops during each;
-- launch (once, before any profiling): the host's time in one graph launch with the device
-  idle, alone, right after another graph's replay, after an explicit `cudaGraphUpload`, right
-  after a pinned host-to-device copy (the engine's order), and while the same graph's previous
-  launch runs.
+- launch (once, before any profiling): for the graph each configuration's steps replayed, the
+  host's time in one launch with the device idle, alone, right after another graph's replay,
+  after an explicit `cudaGraphUpload`, right after a pinned host-to-device copy (the engine's
+  order), and while the same graph's previous launch runs.
 step_ms - replay_ms is what the host adds to an AR step: input packing, the input copy, the
 replay launch, the token copy and the step's bookkeeping. For DDTree it also holds the
 benchmark's oracle drafter, which cannot run inside the verify graph (the DFlash drafter does):
@@ -139,11 +139,13 @@ def _launch_us(g, before=None, upload=None, queued=None) -> float:
     return dt * 1e6
 
 
-def _launch_probe(graphed, reps: int = 5) -> dict:
-    """How long the host spends launching each captured graph: alone, right after another
-    graph, and after an explicit `cudaGraphUpload` (CuPy), medians of `reps` (us). The replays
-    rewrite the KV slots their last inputs named with the same values."""
-    graphs = [*graphed._graphs.values(), *graphed._verify.values()][:4]
+def _launch_probe(graphs: list, keys: dict, reps: int = 5) -> dict:
+    """How long the host spends launching each graph of `graphs` (the ones the timed steps
+    replayed), medians of `reps` (us): alone with the device idle, right after another graph's
+    replay, right after a pinned host-to-device copy (the engine's order), while its own
+    previous launch runs, and after an explicit `cudaGraphUpload` (CuPy). `keys` maps a graph
+    object's id to its capture key. The replays rewrite the KV slots their last inputs named
+    with the same values."""
     upload, why = None, None
     try:
         from cupy.cuda import runtime
@@ -156,17 +158,17 @@ def _launch_probe(graphed, reps: int = 5) -> dict:
     rows = []
     for i, g in enumerate(graphs):
         other = graphs[i - 1] if len(graphs) > 1 else None
-        row = dict(kind=type(g).__name__, key=getattr(g, "b", None))
+        row = dict(kind=type(g).__name__, key=keys.get(id(g)))
         row["alone_us"] = statistics.median(_launch_us(g) for _ in range(reps))
         if other is not None:
             row["after_other_us"] = statistics.median(_launch_us(g, other) for _ in range(reps))
         # the engine's order: the step's inputs copied from pinned memory, then the launch
         src = torch.zeros(64, dtype=torch.long).pin_memory()
         dst = torch.empty(64, dtype=torch.long, device="cuda")
-        copy = lambda src=src, dst=dst: dst.copy_(src, non_blocking=True)  # noqa: E731
+        copy = lambda src=src, dst=dst: dst.copy_(src, non_blocking=True)
         row["after_copy_us"] = statistics.median(_launch_us(g, queued=copy) for _ in range(reps))
         # a second launch of the same graph while its first one runs
-        again = lambda g=g: g.graph.replay()  # noqa: E731
+        again = lambda g=g: g.graph.replay()
         row["while_running_us"] = statistics.median(
             _launch_us(g, queued=again) for _ in range(reps)
         )
@@ -182,12 +184,16 @@ def _launch_probe(graphed, reps: int = 5) -> dict:
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        print("Options (bench_engine.py's; --cuda-graphs is always on, the DDTree oracle is the "
+              "perfect one: --corrupt and --margin are not used):\n")  # fmt: skip
     args = parse_args([*sys.argv[1:], "--cuda-graphs"])
     bench, rep = setup(args)
     runner = bench.runner
     last: list = []  # the graph object each replay used
-    for cls in (engine_graphs._Graph, engine_graphs._VerifyGraph):
-        orig = cls.replay
+    originals = {cls: cls.replay for cls in (engine_graphs._Graph, engine_graphs._VerifyGraph)}
+    for cls, orig in originals.items():
 
         def replay(self, *a, __orig=orig, **kw):
             last[:] = [self]
@@ -211,9 +217,15 @@ def main() -> None:
         return runner.ddtree_step, sids
 
     # Timing, then cProfile, then the torch profiler: once the profiler has run, CUPTI stays
-    # attached to the process and every later graph launch costs the host ~0.5 ms
-    # (`graph_launch.py --after-profiler`), so nothing is timed after it.
-    rows = []
+    # attached to the process and every later launch of a 1,100-node graph costs the host
+    # 0.2-0.9 ms (`graph_launch.py`'s after-profiler case), so nothing is timed after it. The
+    # JSON is rewritten after each phase (a killed run keeps what it measured).
+    rows, used = [], []
+
+    def checkpoint() -> None:  # the results so far, when they go to a file
+        if args.out:
+            write_json(args.out, out)
+
     for kind, c, budget in confs:
         step, sids = start(kind, c, budget)
         _steps(step, sids, args.warmup)
@@ -221,28 +233,37 @@ def main() -> None:
         row = dict(kind=kind, batch=c, budget=budget, replay_ms=_replay_ms(last[0]))
         row.update(step_ms=statistics.median(walls) * 1e3, device_ms=statistics.median(devs) * 1e3)
         rows.append(row)
+        used.append(last[0])
         print(f"{kind} C={c} budget={budget}: step {row['step_ms']:.3f} ms, device "
               f"{row['device_ms']:.3f}, replay {row['replay_ms']:.3f}", flush=True)  # fmt: skip
+    for cls, orig in originals.items():  # cProfile below sees the engine's own replay
+        cls.replay = orig
+    out["configs"] = rows
+    checkpoint()
     runner.drafter, runner.cfg = None, bench.base_cfg
-    out["launch"] = _launch_probe(runner._graphs)
+    graphed = runner._graphs
+    keys = {id(g): list(k[:3]) for k, g in [*graphed._graphs.items(), *graphed._verify.items()]}
+    out["launch"] = _launch_probe(used, keys)
     for r in out["launch"]["graphs"]:
         print(f"launch {r}", flush=True)
+    checkpoint()
     for row in rows:
         step, sids = start(row["kind"], row["batch"], row["budget"])
         row["host_top"] = top = _host_top(step, sids, args.steps)
-        print(f"{row['kind']} C={row['batch']} budget={row['budget']}: host")
+        print(f"{row['kind']} C={row['batch']} budget={row['budget']}: host", flush=True)
         for t in top[:8]:
-            print(f"   {t['tot_us']:8.1f} us {t['calls_per_step']:6.1f}x  {t['fn']}")
+            print(f"   {t['tot_us']:8.1f} us {t['calls_per_step']:6.1f}x  {t['fn']}", flush=True)
+    checkpoint()
     for row in rows:
         step, sids = start(row["kind"], row["batch"], row["budget"])
         row["idle"] = idle = _idle_gaps(step, sids)
         print(
             f"{row['kind']} C={row['batch']}: device idle {idle['idle_us']:.0f} us over "
-            f"{idle['steps']} steps ({idle['span_us']:.0f} us span, under the profiler)"
+            f"{idle['steps']} steps ({idle['span_us']:.0f} us span, under the profiler)",
+            flush=True,
         )
         for g in idle["gaps"][:6]:
             print(f"     gap {g['us']:.0f} us before {g['next']}: {'; '.join(g['host'][:6])}")
-    out["configs"] = rows
     runner.drafter, runner.cfg = None, bench.base_cfg
     write_json(args.out, out)
 

@@ -96,21 +96,42 @@ def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
     return best
 
 
+def _opcode(text: str) -> str:
+    return text.split()[1] if text.startswith("@") else text.split()[0]
+
+
 def _dests(text: str) -> set[int]:
-    """Registers a load writes: R<n> and, for .64 / .128, the ones after it."""
+    """Registers a load writes: R<n> and, for an .64 / .128 opcode, the ones after it."""
     regs = REG.findall(text.split(",")[0])
     if not regs:
         return set()
-    width = 4 if ".128" in text else 2 if ".64" in text else 1
+    op = _opcode(text)
+    width = 4 if op.endswith(".128") else 2 if op.endswith(".64") else 1
     return set(range(int(regs[0]), int(regs[0]) + width))
 
 
 def _sources(text: str) -> set[int]:
+    """Registers an instruction reads: every register operand but a destination (the first
+    operand, except for stores and reductions, which read all of theirs), and both halves of a
+    64-bit address `[Rn.64]`. An operand that spans several registers by its opcode (an MMA
+    fragment, a vector store's value) counts by its first register only."""
     parts = text.split(",", 1)
     srcs = parts[1] if len(parts) > 1 else ""
-    if re.match(r"(@!?P\d+\s+)?(ST|STG|STS|RED|ATOM)", text):  # stores read every operand
+    if re.match(r"(ST|STG|STS|RED)\b|(ST|STG|STS|RED)\.", _opcode(text)):
         srcs = text
-    return {int(r) for r in REG.findall(srcs)}
+    regs = {int(r) for r in REG.findall(srcs)}
+    regs |= {int(r) + 1 for r in re.findall(r"\bR(\d+)\.64\b", srcs)}
+    return regs
+
+
+def _overwrites(text: str, regs: set[int]) -> bool:
+    """Whether the instruction surely replaces all of `regs` (unpredicated; its destination, the
+    first operand of a non-store, covers them)."""
+    if text.startswith("@") or re.match(r"(ST|STG|STS|RED|ATOM|BRA)", _opcode(text)):
+        return False
+    return regs <= _dests(text) if _opcode(text).startswith("LDG") else regs <= {
+        int(r) for r in REG.findall(text.split(",")[0])
+    }  # fmt: skip
 
 
 def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
@@ -118,13 +139,16 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
     n = len(body)
     loads = []
     for i, text in enumerate(body):
-        op = text.split()[1] if text.startswith("@") else text.split()[0]
+        op = _opcode(text)
         if not (op == "LDG" or op.startswith("LDG.")):  # register loads (not LDGSTS, LDGDEPBAR)
             continue
         dest, use = _dests(text), None
         for d in range(1, n + 1):  # program order, around the back edge
-            if dest & _sources(body[(i + d) % n]):
+            nxt = body[(i + d) % n]
+            if dest & _sources(nxt):
                 use = d
+                break
+            if _overwrites(nxt, dest):  # replaced before any read
                 break
         loads.append(dict(at=i, load=text.split()[0] if "@" not in text else " ".join(
             text.split()[:2]), read_after=use))  # fmt: skip

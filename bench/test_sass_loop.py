@@ -32,6 +32,29 @@ def test_the_main_loop_and_each_loads_first_read() -> None:
     assert [(ld["at"], ld["read_after"]) for ld in rep["loads"]] == [(0, 3), (1, 1), (4, None)]
 
 
+PREDICATED = """
+        /*0000*/               @P1 LDG.E.64 R40, desc[UR6][R2.64] ;  /* 0x0000000602287981 */
+        /*0010*/                   LDG.E R30, desc[UR6][R6.64] ;  /* 0x00000006061e7981 */
+        /*0020*/                   FADD R5, R31, R50 ;  /* 0x0000003205057221 */
+        /*0030*/                   MOV R30, R7 ;  /* 0x00000007001e7202 */
+        /*0040*/                   FMUL R9, R41, R9 ;  /* 0x0000000929097220 */
+        /*0050*/                   LDG.E R50, desc[UR6][R8.64] ;  /* 0x0000000608327981 */
+        /*0060*/               @P0 BRA 0x0 ;  /* 0xfffffff800000947 */
+"""
+
+
+def test_widths_predicates_overwrites_and_the_back_edge() -> None:
+    """A predicated 64-bit load is read through its second register; a 32-bit load's value is
+    not read by an instruction that reads the register after it (the .64 of its address is not
+    its width), and is dead once overwritten; a load read only in the next iteration counts
+    around the back edge."""
+    ins = sass_loop.parse(PREDICATED)
+    rep = sass_loop.loads_report(ins, *sass_loop.main_loop(ins))
+    assert rep["instructions"] == 7
+    got = [(ld["at"], ld["load"], ld["read_after"]) for ld in rep["loads"]]
+    assert got == [(0, "@P1 LDG.E.64", 4), (1, "LDG.E", None), (5, "LDG.E", 4)]
+
+
 def test_a_loop_without_a_backward_branch_is_an_error() -> None:
     ins = sass_loop.parse(SASS.replace("@P1 BRA 0x10", "@P1 BRA 0x70"))
     with pytest.raises(SystemExit):
