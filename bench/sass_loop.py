@@ -6,7 +6,8 @@
 Compiles a W4A16 MoE kernel (`moe_gluon._w4_up_silu_kernel` or `_w4_gemm_kernel` as the down
 projection) for sm_90 with Triton's bundled ptxas, integer arguments specialised for 16-byte
 divisibility as the runtime specialises them (without that, loads come out scalar), disassembles
-it (cuobjdump) and finds the main loop: the backward branch that spans the most instructions.
+it (cuobjdump) and finds the main loop: the backward branch that spans the most instructions
+(a kernel without one, e.g. with its step loop unrolled, is reported whole, in program order).
 For each global load in the loop it reports where it is issued (instructions from the loop's
 start) and how many instructions later its first destination register is read, wrapping around
 the back edge: a load whose value is read a few instructions later makes the warp wait a whole
@@ -28,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT_INTS = ("num_pairs", "num_mblocks")  # runtime ints the kernels do not specialise
+OPTIONAL = dict(UNROLL=False)  # constexprs of kernel versions that have them (their defaults)
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 REG = re.compile(r"\bR(\d+)\b")
 
@@ -57,6 +59,8 @@ def compile_sass(kernel: str, overrides: dict) -> str:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn, sig, ints, consts = _kernel(kernel)
+    consts.update(OPTIONAL)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # this version's constexprs
     unknown = set(overrides) - set(consts)
     if unknown:
         raise SystemExit(f"--set: unknown constexprs {sorted(unknown)} (known: {sorted(consts)})")
@@ -81,8 +85,9 @@ def parse(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2).strip()) for m in INSTR.finditer(sass)]
 
 
-def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
-    """(first, last) instruction indices of the backward branch that spans the most."""
+def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
+    """(first, last) instruction indices of the backward branch that spans the most; None for
+    straight-line code (a kernel whose loops are all unrolled)."""
     at = {off: i for i, (off, _) in enumerate(ins)}
     best = None
     for i, (_, text) in enumerate(ins):
@@ -91,8 +96,6 @@ def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
             span = (at[int(m.group(1), 16)], i)
             if best is None or span[1] - span[0] > best[1] - best[0]:
                 best = span
-    if best is None:
-        raise SystemExit("no backward branch: the kernel has no loop")
     return best
 
 
@@ -134,7 +137,9 @@ def _overwrites(text: str, regs: set[int]) -> bool:
     }  # fmt: skip
 
 
-def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
+def loads_report(ins: list[tuple[int, str]], first: int, last: int, wrap: bool = True) -> dict:
+    """Per register load of ins[first .. last]: where it is and how many instructions later its
+    value is first read, around the back edge when `wrap` (a loop body)."""
     body = [text for _, text in ins[first : last + 1]]
     n = len(body)
     loads = []
@@ -143,7 +148,7 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int) -> dict:
         if not (op == "LDG" or op.startswith("LDG.")):  # register loads (not LDGSTS, LDGDEPBAR)
             continue
         dest, use = _dests(text), None
-        for d in range(1, n + 1):  # program order, around the back edge
+        for d in range(1, n + 1 if wrap else n - i):  # program order (around the back edge)
             nxt = body[(i + d) % n]
             if dest & _sources(nxt):
                 use = d
@@ -177,9 +182,12 @@ def main() -> None:
     if args.sass:
         Path(args.sass).write_text(sass)
     ins = parse(sass)
-    first, last = main_loop(ins)
-    rep = dict(kernel=args.kernel, overrides=overrides, **loads_report(ins, first, last))
-    print(f"{args.kernel} {overrides}: main loop {rep['instructions']} instructions, "
+    loop = main_loop(ins)
+    first, last = loop if loop is not None else (0, len(ins) - 1)
+    rep = dict(kernel=args.kernel, overrides=overrides, loop=loop is not None,
+               **loads_report(ins, first, last, wrap=loop is not None))  # fmt: skip
+    where = "main loop" if loop is not None else "straight-line kernel (no loop)"
+    print(f"{args.kernel} {overrides}: {where} {rep['instructions']} instructions, "
           f"{rep['mma']} MMAs")  # fmt: skip
     for ld in rep["loads"]:
         print(
