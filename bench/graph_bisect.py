@@ -24,7 +24,6 @@ import collections
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from _util import environment, write_json  # noqa: E402
 from bench_engine import parse_args, setup  # noqa: E402
+from graph_launch import device_us, launch_times  # noqa: E402
 
 from ddserve.engine import graphs as engine_graphs  # noqa: E402
 from ddserve.model import mla as mla_mod  # noqa: E402
@@ -40,20 +40,8 @@ from ddserve.model import moe as moe_mod  # noqa: E402
 
 
 def _launch(graph, reps: int) -> dict:
-    t = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.replay()
-        t.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return dict(launch_us=statistics.median(t), launch_us_min=min(t),
-                device_us=a.elapsed_time(b) * 1e3)  # fmt: skip
+    t = launch_times(graph, reps)
+    return dict(launch_us=statistics.median(t), launch_us_min=min(t), device_us=device_us(graph))
 
 
 def _moe_router_only(self, x):

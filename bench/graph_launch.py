@@ -52,6 +52,28 @@ def _chain(x: torch.Tensor, n: int, use_pdl: bool, side: torch.Tensor | None) ->
         _bump_kernel[(1,)](x, **opts)
 
 
+def launch_times(graph, reps: int) -> list[float]:
+    """The host's time inside each of `reps` `replay()` calls, the device idle before each (us)."""
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return host
+
+
+def device_us(graph) -> float:
+    """One replay between two events on an idle device (so it also holds part of the launch)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 def case(n: int, use_pdl: bool, two_streams: bool, reps: int) -> dict:
     x = torch.zeros(1, device="cuda")
     side = torch.zeros(1, device="cuda") if two_streams else None
@@ -68,24 +90,14 @@ def case(n: int, use_pdl: bool, two_streams: bool, reps: int) -> dict:
     torch.cuda.synchronize()
     g.replay()
     torch.cuda.synchronize()
-    host = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        g.replay()
-        host.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    host = launch_times(g, reps)
     x.zero_()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    torch.cuda.synchronize()
+    dev = device_us(g)
     right = float(x.item()) == float(n)
     del g
     return dict(
         nodes=n, pdl=use_pdl, two_streams=two_streams, launch_us=statistics.median(host),
-        launch_us_min=min(host), device_us=a.elapsed_time(b) * 1e3, result_right=right,
+        launch_us_min=min(host), device_us=dev, result_right=right,
     )  # fmt: skip
 
 
@@ -103,13 +115,7 @@ def alive(n: int, counts: list[int], reps: int) -> list[dict]:
             kept.append(g)
         g = kept[0]
         g.replay()
-        host = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            g.replay()
-            host.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+        host = launch_times(g, reps)
         rows.append(dict(nodes=n, other_graphs=k, launch_us=statistics.median(host)))
         print(f"nodes {n} with {k:3d} other graphs alive: launch {rows[-1]['launch_us']:.1f} us",
               flush=True)  # fmt: skip
@@ -129,14 +135,7 @@ def after_profiler(n: int, reps: int) -> dict:
     g.replay()
 
     def launch() -> float:
-        host = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            g.replay()
-            host.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-        return statistics.median(host)
+        return statistics.median(launch_times(g, reps))
 
     before = launch()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
