@@ -36,6 +36,7 @@ VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwis
     ("v3", V3, True),
     ("v3-silu-fused", {**V3, "FUSED_SILU": True}, True),  # one launch fewer (same bits)
     ("v3-silu-2launch", {**V3, "FUSED_SILU": False}, True),
+    ("v3-rolled", {**V3, "UNROLL": False}, True),  # the step loop never unrolled (same bits)
     ("v3-depth2", {**V3, "DEPTH": 2}, True),  # two weight steps in flight (same bits)
     ("v3-bm8", {**V3, "BM": 8}, True),
     ("v3-bm16", {**V3, "BM": 16}, True),

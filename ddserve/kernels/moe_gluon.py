@@ -21,7 +21,10 @@ One program body (`_tiles`) serves both projections:
         in a second launch); `_w4_up_silu_kernel` does that sum itself (`_silu_unit`).
 - down: x = h (rows of the block); each program NT consecutive n-tiles over all of K;
         y[pair, n] = topk weight * acc in fp32 (`moe_reduce._combine_kernel` sums slots in order).
-Weights are streamed with DEPTH steps of register prefetch.
+Weights are streamed with DEPTH steps of register prefetch. With UNROLL the step loop is
+unrolled: the compiler then issues each step's weight, scale and x loads about a step before
+they are read (sm_90 SASS, `bench/sass_loop.py`), where in the loop it issues the scales and x
+at the step's start and the next weights at its end, so a lone warp waits on memory each step.
 
 SiLU-and-mul in the up launch (`_w4_up_silu_kernel`): h[:, c] needs the gate column c and the up
 column I + c of all SPLIT ranges. With I a multiple of BN, n-tile j < I / BN holds gate columns
@@ -141,7 +144,8 @@ def _w4_gemm_kernel(
     stride_x, stride_os, stride_or, expert_words, expert_scales,
     TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
-    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, PDL: gl.constexpr,
+    SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     pdl_begin(PDL)
     pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
@@ -150,7 +154,7 @@ def _w4_gemm_kernel(
         return
     _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK, GATHER, W, NREP,
-           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -160,7 +164,7 @@ def _w4_up_silu_kernel(
     stride_x, stride_ps, stride_pr, stride_h, expert_words, expert_scales,
     TOPK: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
     KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, SPLIT: gl.constexpr, DEPTH: gl.constexpr,
-    PDL: gl.constexpr,
+    UNROLL: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """The up projection (N = 2 I, I a multiple of BN) into part[SPLIT, rows, N] fp32, then
     h[rows, I] = silu(gate) * up in bf16 by the last program of each (block, gate n-tile) unit;
@@ -173,7 +177,7 @@ def _w4_up_silu_kernel(
     # (tw_ptr = part_ptr: the up projection does not read top-k weights)
     _tiles(x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, part_ptr, e, pid_m, pid_s, pid_n, num_pairs,
            N, K, stride_x, stride_ps, stride_pr, expert_words, expert_scales, TOPK, True, W, NREP,
-           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL)  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     units = N // (2 * BN)  # gate n-tiles per block (the host checks I % BN == 0)
     unit = pid_m * units + pid_n % units
@@ -215,7 +219,7 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK: gl.constexpr,
            GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
            KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr, DOWN: gl.constexpr,
-           DEPTH: gl.constexpr):  # fmt: skip
+           DEPTH: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
     """One program's work: block pid_m (expert e), K range pid_s, n-tiles pid_n NT .. + NT - 1,
     each stored as it completes (`_store`)."""
     BN: gl.constexpr = 16 * W * NREP
@@ -225,8 +229,6 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     NS: gl.constexpr = 32 * W * NREP * 2  # scales per step (= BN * BK / 32)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     w_l: gl.constexpr = gl.BlockedLayout([R], [32], [W], [0])
     s_l: gl.constexpr = gl.BlockedLayout([2 * NREP], [32], [W], [0])
     x_l: gl.constexpr = _x_layout(W, BM)
@@ -248,44 +250,83 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     s_base = s_ptr + e.to(gl.int64) * expert_scales + tile0.to(gl.int64) * NS
     w_off = gl.arange(0, NW, layout=w_l)
     s_off = gl.arange(0, NS, layout=s_l)
+    # the block's output rows, once: each n-tile's store reads them without a load of its own
+    row_o = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    pair_o = gl.load(pairs_ptr + row_o)
+    if DOWN:  # the pairs' top-k weights
+        wt_o = gl.load(tw_ptr + pair_o, mask=pair_o < num_pairs, other=0.0)
+    else:
+        wt_o = pair_o  # (unused)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     w1 = gl.load(w_base + w_off)  # steps 0 (and 1) in flight before the loop
     if DEPTH == 2:
         w2 = gl.load(w_base + gl.minimum(1, NT * KSTEPS - 1) * NW + w_off)
-    for t in range(NT * KSTEPS):
-        wc = w1
-        nxt = gl.minimum(t + DEPTH, NT * KSTEPS - 1)  # (the last steps reload a tile: L2 hits)
-        if DEPTH == 2:
-            w1 = w2
-            w2 = gl.load(w_base + nxt * NW + w_off)
-        else:
-            w1 = gl.load(w_base + nxt * NW + w_off)
-        sc = gl.load(s_base + t * NS + s_off).to(gl.int16, bitcast=True)
-        sc = gl.reshape(sc, [NS // 2, 2])
-        s0, s1 = gl.split(sc)  # rows +0 / +8 of each rep
-        s0 = gl.convert_layout(_dup(s0, 3), w_l, assert_trivial=True)
-        s1 = gl.convert_layout(_dup(s1, 3), w_l, assert_trivial=True)
-        a = _a_tile(wc, s0, s1, a_l, W, NREP, KC)
-        kb = (t % KSTEPS) * BK
-        x_ok = valid & gl.expand_dims(col + (k_lo + kb) < K, 0)
-        b = _x_tile(x_ptr, x_off, x_ok, kb, b_l, BM)
-        acc = mma_v2(a, b, acc)
-        if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
-            nt = pid_n * NT + t // KSTEPS
-            _store(acc, out_ptr, pairs_ptr, tw_ptr, pid_m, pid_s, nt, num_pairs, N, stride_os,
-                   stride_or, mma, BM, BN, DOWN)  # fmt: skip
-            acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    if DEPTH != 2:
+        w2 = w1  # (unused)
+    if UNROLL:  # straight-line steps: the compiler issues each step's loads a step early
+        for t in gl.static_range(NT * KSTEPS):
+            acc, w1, w2 = _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid,
+                                col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
+                                num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
+                                DOWN, DEPTH)  # fmt: skip
+    else:
+        for t in range(NT * KSTEPS):
+            acc, w1, w2 = _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid,
+                                col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
+                                num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
+                                DOWN, DEPTH)  # fmt: skip
 
 
 @gluon.jit
-def _store(acc, out_ptr, pairs_ptr, tw_ptr, pid_m, pid_s, nt, num_pairs, N, stride_os, stride_or,
-           mma: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DOWN: gl.constexpr):  # fmt: skip
+def _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid, col, k_lo, K,
+          out_ptr, row_o, pair_o, wt_o, pid_s, pid_n, num_pairs, N, stride_os, stride_or,
+          W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr, KSTEPS: gl.constexpr,
+          NT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
+    """Step t of `_tiles`: the next weights in flight, this step's MMA, the n-tile stored when
+    complete. Returns (acc, w1, w2) for step t + 1."""
+    BN: gl.constexpr = 16 * W * NREP
+    KC: gl.constexpr = BK // 16
+    R: gl.constexpr = NREP * KC
+    NW: gl.constexpr = 32 * W * R
+    NS: gl.constexpr = 32 * W * NREP * 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
+                                                  instr_shape=[16, 8])  # fmt: skip
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_l: gl.constexpr = gl.BlockedLayout([R], [32], [W], [0])
+    wc = w1
+    nxt = gl.minimum(t + DEPTH, NT * KSTEPS - 1)  # (the last steps reload a tile: L2 hits)
+    if DEPTH == 2:
+        w1 = w2
+        w2 = gl.load(w_base + nxt * NW + w_off)
+    else:
+        w1 = gl.load(w_base + nxt * NW + w_off)
+    sc = gl.load(s_base + t * NS + s_off).to(gl.int16, bitcast=True)
+    sc = gl.reshape(sc, [NS // 2, 2])
+    s0, s1 = gl.split(sc)  # rows +0 / +8 of each rep
+    s0 = gl.convert_layout(_dup(s0, 3), w_l, assert_trivial=True)
+    s1 = gl.convert_layout(_dup(s1, 3), w_l, assert_trivial=True)
+    a = _a_tile(wc, s0, s1, a_l, W, NREP, KC)
+    kb = (t % KSTEPS) * BK
+    x_ok = valid & gl.expand_dims(col + (k_lo + kb) < K, 0)
+    b = _x_tile(x_ptr, x_off, x_ok, kb, b_l, BM)
+    acc = mma_v2(a, b, acc)
+    if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
+        nt = pid_n * NT + t // KSTEPS
+        _store(acc, out_ptr, row_o, pair_o, wt_o, pid_s, nt, num_pairs, N, stride_os, stride_or,
+               mma, BN, DOWN)  # fmt: skip
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    return acc, w1, w2
+
+
+@gluon.jit
+def _store(acc, out_ptr, row, pair, wt, pid_s, nt, num_pairs, N, stride_os, stride_or,
+           mma: gl.constexpr, BN: gl.constexpr, DOWN: gl.constexpr):  # fmt: skip
+    """Store n-tile nt of the block: `row` its rows, `pair` their pairs, `wt` (DOWN) the pairs'
+    top-k weights, all [BM] in the accumulator's column layout, loaded once per program."""
     n = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    row = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    pair = gl.load(pairs_ptr + row)
     ok = gl.expand_dims(n < N, 1) & gl.expand_dims(pair < num_pairs, 0)
     if DOWN:  # y [P, N]: the pair's row, times its top-k weight
-        wt = gl.load(tw_ptr + pair, mask=pair < num_pairs, other=0.0)
         val = acc * gl.expand_dims(wt, 0)
         r = pair.to(gl.int64)
     else:  # part [SPLIT, rows, N]: the block row

@@ -47,8 +47,9 @@ from ddserve.kernels.moe_w4_repack import (
 # mma.sync of a token's column does not see the other columns), so "auto" picks them per call:
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
 # W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
-# up GEMM's launch instead of a launch of its own (same bits). The bench overrides any key.
-CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, FUSED_SILU=True)
+# up GEMM's launch instead of a launch of its own (same bits). UNROLL: the step loop unrolled
+# ("auto": `_unroll`; same bits). The bench overrides any key.
+CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True)
 log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
@@ -125,6 +126,20 @@ def _compiles(weights: ExpertWeights, w: int, nrep: int) -> None:
     torch.cuda.synchronize(dev)
 
 
+UNROLL_STEPS = 16  # "auto" unrolls a program's step loop up to this many steps, at BM <= 16
+
+
+def _unroll(cfg: dict, steps: int) -> bool:
+    """Whether a launch's step loop is unrolled (the same arithmetic either way). Unrolled, the
+    compiler issues each step's weight, scale and x loads about a step before they are read (sm_90
+    SASS, `bench/sass_loop.py`); in the loop it issues the scales and x at the step's start and
+    the next weights at its end, so a lone warp waits on memory every step. At BM 32 the unrolled
+    program needs more than 255 registers."""
+    if cfg["UNROLL"] != "auto":
+        return bool(cfg["UNROLL"])
+    return cfg["BM"] <= 16 and steps <= UNROLL_STEPS
+
+
 def _config(overrides: dict | None) -> dict:
     """CONFIG with the overrides, checked (a misspelled key must not be silently ignored)."""
     unknown = set(overrides or {}) - set(CONFIG)
@@ -132,8 +147,9 @@ def _config(overrides: dict | None) -> dict:
         raise ValueError(f"MoE v3 config: unknown keys {sorted(unknown)} (known: {sorted(CONFIG)})")
     cfg = dict(CONFIG, **(overrides or {}))
     allowed = dict(
-        W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2), FUSED_SILU=(False, True)
-    )
+        W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2),
+        UNROLL=("auto", False, True), FUSED_SILU=(False, True),
+    )  # fmt: skip
     for key, values in allowed.items():
         if cfg[key] not in values:
             raise ValueError(f"MoE v3 config: {key}={cfg[key]!r}, expected one of {values}")
@@ -251,7 +267,8 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
         x.stride(0), part.stride(0), part.stride(1), h.stride(0), w13.words.stride(0),
         w13.scales.stride(0),
         TOPK=topk, W=w13.w, NREP=w13.nrep, BM=cfg["BM"], KS_TOTAL=ks, KSTEPS=ks // split,
-        SPLIT=split, DEPTH=cfg["DEPTH"], num_warps=w13.w, **launch,
+        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), num_warps=w13.w,
+        **launch,
     )  # fmt: skip
     _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True)
     return k
@@ -271,7 +288,8 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         num_pairs, stream.words.shape[0], nb, stream.n, stream.k,
         x.stride(0), stride_os, stride_or, stream.words.stride(0), stream.scales.stride(0),
         TOPK=topk, GATHER=gather, W=stream.w, NREP=stream.nrep, BM=cfg["BM"], KS_TOTAL=ks,
-        KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"], num_warps=stream.w,
+        KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"],
+        UNROLL=_unroll(cfg, nt * (ks // split)), num_warps=stream.w,
         **launch,
     )  # fmt: skip
     _record("down" if down else "up", k, grid, stream.w, split=split, nt=nt,

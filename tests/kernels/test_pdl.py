@@ -215,7 +215,7 @@ def test_gluon_moe_ptx_waits_before_any_memory_access() -> None:
             "stride_or", "expert_words", "expert_scales")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
     consts = dict(TOPK=8, GATHER=True, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, NT=1, SPLIT=4,
-                  DOWN=False, DEPTH=1, PDL=True)  # fmt: skip
+                  DOWN=False, DEPTH=1, UNROLL=False, PDL=True)  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     ptx = _compile(GluonASTSource(fn=_w4_gemm_kernel, signature=sig, constexprs=consts), warps=4)
     wait, mem, _ = _order(ptx)
