@@ -126,18 +126,21 @@ def _compiles(weights: ExpertWeights, w: int, nrep: int) -> None:
     torch.cuda.synchronize(dev)
 
 
-UNROLL_STEPS = 16  # "auto" unrolls a program's step loop up to this many steps, at BM <= 16
+UNROLL_STEPS = 16  # "auto" unrolls a program's step loop up to this many steps, at BM 8
 
 
 def _unroll(cfg: dict, steps: int) -> bool:
     """Whether a launch's step loop is unrolled (the same arithmetic either way). Unrolled, the
     compiler issues each step's weight, scale and x loads about a step before they are read (sm_90
     SASS, `bench/sass_loop.py`); in the loop it issues the scales and x at the step's start and
-    the next weights at its end, so a lone warp waits on memory every step. At BM 32 the unrolled
-    program needs more than 255 registers."""
+    the next weights at its end, so a lone warp waits on memory every step. H200, K2.6 shapes
+    (bench/results/step/moe_unroll_h200_2026-12-02.json): at BM 8 (up to 6 tokens per expert)
+    unrolled is 2-10% faster (T=1: 24.8 vs 27.4 us; T=192: 360.5 vs 369.1); at BM 16 the unrolled
+    up GEMM takes 169 registers (rolled: 126) and is 37% slower (T=384: 671 vs 490 us); at BM 32
+    it would need more than 255."""
     if cfg["UNROLL"] != "auto":
         return bool(cfg["UNROLL"])
-    return cfg["BM"] <= 16 and steps <= UNROLL_STEPS
+    return cfg["BM"] == 8 and steps <= UNROLL_STEPS
 
 
 def _config(overrides: dict | None) -> dict:
