@@ -4,9 +4,10 @@ of the model replaced by a pass-through, and the graph's nodes by type and kerne
     python bench/graph_bisect.py --out bisect.json
 
 Builds the benchmark's model (`bench_engine.setup`, one stream), captures the AR forward graph
-with the MoE, its router / shared expert / routed experts, or the attention replaced by a
-pass-through, and times each graph's launch with the device idle (host time inside `replay()`,
-median of --reps) and one replay on the device (events around it on an idle device, so it also
+with the MoE, its router / shared expert / routed experts, the attention, or only its core
+(the tree-attention kernel and its split merge) replaced by a pass-through, and times each
+graph's launch with the device idle (host time inside `replay()`, median of --reps) and one
+replay on the device (events around it on an idle device, so it also
 holds part of the launch). Variants run once each, in a fixed order, and launch times drift
 through a run (7.7 us for the first, 26 for the fifth in the committed run): compare their
 device times, not their launches. "moe-routed-only" runs the routed experts through
@@ -35,6 +36,7 @@ from bench_engine import parse_args, setup  # noqa: E402
 from graph_launch import device_us, launch_times  # noqa: E402
 
 from ddserve.engine import graphs as engine_graphs  # noqa: E402
+from ddserve.kernels import backend  # noqa: E402
 from ddserve.model import mla as mla_mod  # noqa: E402
 from ddserve.model import moe as moe_mod  # noqa: E402
 
@@ -55,6 +57,10 @@ def _moe_routed_only(self, x):
     return y
 
 
+def _attend_nothing(q_lat, q_pe, kv_cache, meta, scale):
+    return q_lat  # [T, H, R]: the attention's output shape, no kernel
+
+
 def _moe_shared_only(self, x):
     return self.shared_experts(x)
 
@@ -66,6 +72,7 @@ VARIANTS = {
     "moe-routed-only": {(moe_mod.MoE, "forward"): _moe_routed_only},
     "moe-shared-only": {(moe_mod.MoE, "forward"): _moe_shared_only},
     "attn-identity": {(mla_mod.MLA, "forward"): lambda self, h, *a, **k: h},
+    "attn-no-core": {(backend, "tree_attention"): lambda device_type: _attend_nothing},
     "both-identity": {
         (moe_mod.MoE, "forward"): lambda self, x: x,
         (mla_mod.MLA, "forward"): lambda self, h, *a, **k: h,
