@@ -66,73 +66,29 @@ def _online_update(m, l_sum, acc, sc, c):
     return m_new, l_sum, acc
 
 
-# The latent width R in QC column chunks (`INVARIANT_CONFIG["QC"]`): queries, keys and the
-# accumulator are tuples of QC [*, R / QC] tensors. A tile's scores are then QC independent MMA
-# chains over R / QC columns each (one chain over R with QC = 1), added in a fixed order
-# (`_scores`); the values' products and sums are the same per column whatever QC is.
+@triton.jit
+def _load_keys(kv_ptr, slot, kok, stride_kv, R: tl.constexpr, P: tl.constexpr):
+    """Latent [BN, R] and rope [BN, P] keys at `slot` [BN] (0 where not `kok`)."""
+    dr = tl.arange(0, R)
+    dp = tl.arange(0, P)
+    c = tl.load(kv_ptr + slot[:, None] * stride_kv + dr[None, :], mask=kok[:, None], other=0.0)
+    kp = tl.load(kv_ptr + slot[:, None] * stride_kv + R + dp[None, :], mask=kok[:, None], other=0.0)
+    return c, kp
 
 
 @triton.jit
-def _chunk(R: tl.constexpr, QC: tl.constexpr, i: tl.constexpr):
-    """Column offsets [R / QC] of chunk i."""
-    return i * (R // QC) + tl.arange(0, R // QC)
-
-
-@triton.jit
-def _scores(qs, qp, cs, kp, QC: tl.constexpr):
-    """Raw scores [BM, BN]: the latent chunks' products qs[i] . cs[i] added as d0 (QC 1),
-    d0 + d1 (2) or (d0 + d1) + (d2 + d3) (4), then the rope part qp . kp."""
-    d = ()
-    for i in tl.static_range(QC):
-        d = d + (tl.dot(qs[i], tl.trans(cs[i])),)
-    if QC == 1:
-        s = d[0]
-    elif QC == 2:
-        s = d[0] + d[1]
-    else:
-        s = (d[0] + d[1]) + (d[2] + d[3])
-    return s + tl.dot(qp, tl.trans(kp))  # [BM, BN]
-
-
-@triton.jit
-def _online_update_chunks(m, l_sum, accs, sc, cs, QC: tl.constexpr):
-    """`_online_update` with the values and the accumulator in QC column chunks."""
-    m_new = tl.maximum(m, tl.max(sc, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(sc - m_new[:, None]).to(cs[0].dtype)
-    l_sum = l_sum * alpha + _row_sum(p)
-    out = ()
-    for i in tl.static_range(QC):
-        out = out + (accs[i] * alpha[:, None] + tl.dot(p, cs[i]),)
-    return m_new, l_sum, out
-
-
-@triton.jit
-def _load_keys(kv_ptr, slot, kok, stride_kv, R: tl.constexpr, P: tl.constexpr, QC: tl.constexpr):
-    """Latent keys at `slot` [BN] as QC chunks [BN, R / QC] and rope keys [BN, P] (0 where not
-    `kok`)."""
-    row = kv_ptr + slot[:, None] * stride_kv  # [BN, 1]
-    cs = ()
-    for i in tl.static_range(QC):
-        cs = cs + (tl.load(row + _chunk(R, QC, i)[None, :], mask=kok[:, None], other=0.0),)
-    kp = tl.load(row + R + tl.arange(0, P)[None, :], mask=kok[:, None], other=0.0)
-    return cs, kp
-
-
-@triton.jit
-def _key_tile(qs, qp, cs, kp, vis, m, l_sum, accs, scale_log2, QC: tl.constexpr):
-    """Fold keys (chunks cs, kp [BN, P]) into the rows' state where `vis` [BM, BN]. The one
-    score + update code of the invariant mode: per-token tiles call it, shared tiles
-    `_shared_key_tile` (the same arithmetic where every key is visible)."""
-    sc = _scores(qs, qp, cs, kp, QC)  # [BM, BN]
+def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2):
+    """Fold keys c [BN, R], kp [BN, P] into the rows' state where `vis` [BM, BN]. The one score +
+    update code of the invariant mode: per-token tiles call it, shared tiles `_shared_key_tile`
+    (the same arithmetic where every key is visible)."""
+    sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(vis, sc * scale_log2, float("-inf"))
-    return _online_update_chunks(m, l_sum, accs, sc, cs, QC)
+    return _online_update(m, l_sum, acc, sc, c)
 
 
 @triton.jit
-def _shared_key_tile(qs, qp, kv_ptr, slot, row_ok, m, l_sum, accs, scale_log2, stride_kv,
-                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr,
-                     QC: tl.constexpr):  # fmt: skip
+def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, stride_kv,
+                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
     """`_key_tile` for a whole tile of prefix keys, which every row of the tile sees: no masks
     on the loads, and the scores' `where` is on the row alone (padding rows see nothing, as in
     `_key_tile`). The `where` must stay: without it the compiler contracts `sc * scale - m`
@@ -142,16 +98,16 @@ def _shared_key_tile(qs, qp, kv_ptr, slot, row_ok, m, l_sum, accs, scale_log2, s
     tile's time is its instruction stream's (Nsight Compute on an H200: a warp issues every
     ~7.5 cycles, stalled mostly on fixed-latency dependencies and shared-memory operands, little
     on memory), so every instruction counts."""
+    dr = tl.arange(0, R)
+    dp = tl.arange(0, P)
     if OFF64:
         slot = slot.to(tl.int64)
     row = kv_ptr + slot * stride_kv  # [BN] row pointers
-    cs = ()
-    for i in tl.static_range(QC):
-        cs = cs + (tl.load(row[:, None] + _chunk(R, QC, i)[None, :]),)
-    kp = tl.load(row[:, None] + R + tl.arange(0, P)[None, :])
-    sc = _scores(qs, qp, cs, kp, QC)  # [BM, BN]
+    c = tl.load(row[:, None] + dr[None, :])
+    kp = tl.load(row[:, None] + R + dp[None, :])
+    sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(row_ok[:, None], sc * scale_log2, float("-inf"))
-    return _online_update_chunks(m, l_sum, accs, sc, cs, QC)
+    return _online_update(m, l_sum, acc, sc, c)
 
 
 @triton.jit
@@ -171,32 +127,27 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
 
 # One binary for every call: no value specialisation of the shape-dependent integers.
 @triton.jit
-def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, accs, split, nsplit,
-            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr,
-            QC: tl.constexpr):  # fmt: skip
+def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
     """A split's result: the output itself when it is the only split (runtime branch, one
     binary: the merge of a single split is the result itself), else its partial + lse."""
-    den = tl.maximum(l_sum, 1.0e-30)[:, None]
+    dr = tl.arange(0, R)
+    res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
     if nsplit == 1:
-        o_row = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh  # [BM, 1]
-        for i in tl.static_range(QC):
-            res = accs[i] / den
-            tl.store(o_row + _chunk(R, QC, i)[None, :], res.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])  # fmt: skip
+        o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
         prow = (t * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
-        for i in tl.static_range(QC):
-            tl.store(po_ptr + prow[:, None] * R + _chunk(R, QC, i)[None, :], accs[i] / den,
-                     mask=row_ok[:, None])  # fmt: skip
+        tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
         tl.store(plse_ptr + prow, lse, mask=row_ok)
 
 
 @triton.jit
 def _tail_tiles(
-    qs, qp, m, l_sum, accs, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
+    q, qp, m, l_sum, acc, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
     mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
-    scale_log2, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, QC: tl.constexpr,
+    scale_log2, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [n_lo, n_hi) past the shared prefix tiles, once per token j of the row tile with
     j's own keys (prefix slots below plen, then its path), updating only j's rows; cnt[row] =
@@ -213,9 +164,9 @@ def _tail_tiles(
                 bs = tl.load(bslots_ptr + q0 + blk, mask=kok & ~in_pre, other=0)
                 slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
                 vis = (qrow == j)[:, None] & kok[None, :]
-                cs, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P, QC)
-                m, l_sum, accs = _key_tile(qs, qp, cs, kp_t, vis, m, l_sum, accs, scale_log2, QC)
-    return m, l_sum, accs
+                c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
+                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
+    return m, l_sum, acc
 
 
 @triton.jit
@@ -245,7 +196,7 @@ def _tree_attn_inv_kernel(
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
-    LINE_STEP: tl.constexpr, OFF64: tl.constexpr, QC: tl.constexpr,
+    LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows (`_shared_key_tile`); the tail tiles are done once per token with that token's keys
@@ -277,14 +228,10 @@ def _tree_attn_inv_kernel(
             prow = (t * H + head) * nsplit + split
             tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
         return
+    dr = tl.arange(0, R)
     dp = tl.arange(0, P)
     q_off = t[:, None] * stride_qt + head[:, None] * stride_qh
-    qs = ()  # QC chunks [BM, R / QC]
-    accs = ()
-    for i in tl.static_range(QC):
-        qs = qs + (tl.load(ql_ptr + q_off + _chunk(R, QC, i)[None, :], mask=row_ok[:, None],
-                           other=0.0),)  # fmt: skip
-        accs = accs + (tl.zeros([BM, R // QC], dtype=tl.float32),)
+    q = tl.load(ql_ptr + q_off + dr[None, :], mask=row_ok[:, None], other=0.0)  # [BM, R]
     r_off = t[:, None] * stride_rt + head[:, None] * stride_rh
     qp = tl.load(qr_ptr + r_off + dp[None, :], mask=row_ok[:, None], other=0.0)  # [BM, P]
     m_row = mask_ptr + b * stride_mb
@@ -302,21 +249,22 @@ def _tree_attn_inv_kernel(
     pfull = (plen // BN) * BN
     m = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, R], dtype=tl.float32)
     n_end = tl.minimum(s1, pfull)
     ps_row = pslots_ptr + b * stride_ps
     for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared, every key visible
         slot_s = tl.load(ps_row + n0 + tl.arange(0, BN)).to(tl.int32)
-        m, l_sum, accs = _shared_key_tile(qs, qp, kv_ptr, slot_s, row_ok, m, l_sum, accs,
-                                          scale_log2, stride_kv, R, P, OFF64, QC)  # fmt: skip
+        m, l_sum, acc = _shared_key_tile(q, qp, kv_ptr, slot_s, row_ok, m, l_sum, acc, scale_log2,
+                                         stride_kv, R, P, OFF64)  # fmt: skip
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
-    m, l_sum, accs = _tail_tiles(  # tail tiles: each token's own keys
-        qs, qp, m, l_sum, accs, tl.maximum(s0, pfull), s1, tok0, tok1, qrow, cnt, b, q0, qlen,
-        plen, mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr,
-        stride_kv, scale_log2, R, P, BN, QC,
+    m, l_sum, acc = _tail_tiles(  # tail tiles: each token's own keys
+        q, qp, m, l_sum, acc, tl.maximum(s0, pfull), s1, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
+        mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
+        scale_log2, R, P, BN,
     )  # fmt: skip
-    _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, accs, split, nsplit,
-            stride_ot, stride_oh, H, R, QC)  # fmt: skip
+    _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H, R)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "nblocks"])
@@ -365,7 +313,7 @@ def _combine_kernel(
 # The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, QC=1)
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
 # Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
@@ -417,8 +365,6 @@ def tree_mla_attention_invariant(
         raise ValueError(f"invariant tree attention config: unknown keys {sorted(unknown)}")
     cfg = {**device_config(q_latent.device), **(config or {})}
     assert cfg["SPLIT"] % cfg["BN"] == 0
-    if cfg["QC"] not in (1, 2, 4) or r % cfg["QC"] or r // cfg["QC"] < 16:
-        raise ValueError(f"QC={cfg['QC']}: 1, 2 or 4 chunks of at least 16 of the {r} columns")
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
     nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, cfg["SPLIT"])  # host shapes only
     if "BM" not in (config or {}):
@@ -458,7 +404,7 @@ def tree_mla_attention_invariant(
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
-        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31, QC=cfg["QC"],
+        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:

@@ -182,16 +182,3 @@ def test_invariant_mode_accurate_across_tiles_and_splits():
         except AssertionError as e:
             failed.append(f"check {i}: {str(e)[:300]}")
     assert not failed, failed
-
-
-@pytest.mark.parametrize("qc", [1, 2, 4])
-def test_invariant_column_chunks(qc):
-    """Each setting of the latent width's column chunks (`QC`): accurate, verify rows == AR rows
-    bit for bit (trees, a causal chunk across splits, 16- and 32-row tiles), rows independent of
-    the batch."""
-    cfg = dict(QC=qc)
-    check([2047, 5, 600], [65, 1, 9], seed=8, invariant=True, config=cfg)
-    test_invariant_tree_rows_equal_ar_rows(([0, 1023, 300], [33, 9, 2]), False, cfg)
-    test_invariant_tree_rows_equal_ar_rows(([1000, 40], [129, 300]), True, cfg)
-    test_invariant_tree_rows_equal_ar_rows(([1024] * 10, [17] * 10), False, cfg)  # 32-row tiles
-    test_invariant_rows_do_not_depend_on_the_batch(cfg)
