@@ -12,10 +12,13 @@ The contract of every kernel launched with `launch_options` (its `PDL` constexpr
 first): every program executes the wait before it reads or writes memory that another kernel of
 the forward writes or reads, and before any early return. A kernel therefore completes only
 after its predecessor has, so completion orders the whole chain and a kernel may read what any
-earlier kernel wrote (and overwrite what any earlier kernel read). Before the wait a program
-only asks L2 for lines (`prefetch_l2`), at addresses computed from memory that no kernel of the
-forward writes (weights; the attention metadata, copied in before the forward's first kernel);
-a prefetch returns no data, so even a stale address would cost bandwidth, never a value. Kernels
+earlier kernel wrote (and overwrite what any earlier kernel read). A program running before its
+wait may overlap only its predecessor: that kernel let it be scheduled after its own wait, when
+every kernel before it had completed. So before the wait a program reads only memory that no
+layer of the forward writes (the attention metadata: copied in before the forward, or built by
+the kernels that start it) and asks L2 for lines (`prefetch_l2`) at addresses computed from such
+memory or the weights; a prefetch returns no data, so even a stale address would cost
+bandwidth, never a value. It writes nothing and does not return before the wait. Kernels
 launched without the attribute (torch's, NCCL's) keep plain stream order on both sides. The
 arithmetic of a kernel does not change with PDL, only when it starts.
 

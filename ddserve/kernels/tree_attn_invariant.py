@@ -187,6 +187,41 @@ def prefetch_prefix_keys(
     prefetch_l2(tl.where(ok[:, None] & (line < ROW_LINES)[None, :], addr, kv_ptr))
 
 
+@triton.jit
+def read_meta_block(q_starts_ptr, q_lens_ptr, plens_ptr, mask_ptr, b, qrow, stride_mb, stride_mq,
+                    BN: tl.constexpr):  # fmt: skip
+    """Block b's first token row, tree length and prefix length (32-bit), and per row of `qrow`
+    (token indices in the block) its visible block tokens, i.e. its depth + 1 (0 past the
+    block). Metadata that no layer of the forward writes (copied in before it, or built by the
+    kernels that start it), so PDL kernels read it before their wait (`pdl`)."""
+    q0 = tl.load(q_starts_ptr + b).to(tl.int32)
+    qlen = tl.load(q_lens_ptr + b).to(tl.int32)
+    plen = tl.load(plens_ptr + b).to(tl.int32)
+    row_ok = qrow < qlen
+    m_row = mask_ptr + b * stride_mb
+    cnt = tl.zeros(qrow.shape, dtype=tl.int32)
+    for i0 in range(0, qlen, BN):
+        ii = i0 + tl.arange(0, BN)
+        v = tl.load(
+            m_row + qrow[:, None] * stride_mq + ii[None, :],
+            mask=row_ok[:, None] & (ii < qlen)[None, :],
+            other=0,
+        )  # [BM, BN]
+        cnt += tl.sum(v.to(tl.int32), 1)
+    return q0, qlen, plen, cnt
+
+
+@triton.jit
+def read_meta_in_blocks(q_starts_ptr, q_lens_ptr, nblocks, t):
+    """1 if token row t is in one of the call's blocks, else 0 (metadata: read before the PDL
+    wait, as `read_meta_block`)."""
+    inside = tl.zeros([], dtype=tl.int32)
+    for b in range(0, nblocks):  # a few blocks per call (the batch); O(blocks) per program
+        q0 = tl.load(q_starts_ptr + b)
+        inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b))).to(tl.int32)
+    return inside
+
+
 @triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
     ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
@@ -211,18 +246,17 @@ def _tree_attn_inv_kernel(
         if tile == 0:
             prefetch_prefix_keys(kv_ptr, pslots_ptr, plens_ptr, b, split * SPLIT, stride_ps,
                                  stride_kv, ROW_LINES, LINE_PAD, LINE_STEP, SPLIT)  # fmt: skip
-    pdl_begin(PDL)
-    q0 = tl.load(q_starts_ptr + b).to(tl.int32)  # 32-bit index arithmetic from here on
-    qlen = tl.load(q_lens_ptr + b).to(tl.int32)
-    plen = tl.load(plens_ptr + b).to(tl.int32)
-    s0 = split * SPLIT
-    if tile * BM >= qlen * H:  # no rows of this block in this tile
-        return
     r = tile * BM + tl.arange(0, BM)  # [BM] (row, head) pairs of this block
     qrow = r // H
     head = r % H
+    q0, qlen, plen, cnt = read_meta_block(q_starts_ptr, q_lens_ptr, plens_ptr, mask_ptr, b, qrow,
+                                          stride_mb, stride_mq, BN)  # fmt: skip
+    pdl_begin(PDL)
+    s0 = split * SPLIT
     row_ok = qrow < qlen
     t = (q0 + qrow).to(tl.int64)  # token rows: 64-bit offsets into q and out
+    if tile * BM >= qlen * H:  # no rows of this block in this tile
+        return
     if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
         if nsplit > 1:
             prow = (t * H + head) * nsplit + split
@@ -234,16 +268,6 @@ def _tree_attn_inv_kernel(
     q = tl.load(ql_ptr + q_off + dr[None, :], mask=row_ok[:, None], other=0.0)  # [BM, R]
     r_off = t[:, None] * stride_rt + head[:, None] * stride_rh
     qp = tl.load(qr_ptr + r_off + dp[None, :], mask=row_ok[:, None], other=0.0)  # [BM, P]
-    m_row = mask_ptr + b * stride_mb
-    cnt = tl.zeros([BM], dtype=tl.int32)  # visible block tokens of each row = its depth + 1
-    for i0 in range(0, qlen, BN):
-        ii = i0 + tl.arange(0, BN)
-        v = tl.load(
-            m_row + qrow[:, None] * stride_mq + ii[None, :],
-            mask=row_ok[:, None] & (ii < qlen)[None, :],
-            other=0,
-        )  # [BM, BN]
-        cnt += tl.sum(v.to(tl.int32), 1)
     nrow = tl.where(row_ok, plen + cnt, 0)  # [BM] keys of each row
     s1 = tl.minimum(s0 + SPLIT, tl.max(nrow, 0))
     pfull = (plen // BN) * BN
@@ -277,16 +301,14 @@ def _combine_kernel(
     (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
     splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
     branch in the loops: the partial loads are independent and pipeline. A row in no block
-    (q_starts / q_lens) has no partials written: it gets 0."""
-    pdl_begin(PDL)
+    (q_starts / q_lens) has no partials written: it gets 0. The block metadata is read before the
+    wait (written before the forward's first layer)."""
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
     dr = tl.arange(0, R)
-    inside = tl.zeros([], dtype=tl.int32)
-    for b in range(0, nblocks):  # a few blocks per call (the batch); O(blocks) per program
-        q0 = tl.load(q_starts_ptr + b)
-        inside += ((q0 <= t) & (t < q0 + tl.load(q_lens_ptr + b))).to(tl.int32)
+    inside = read_meta_in_blocks(q_starts_ptr, q_lens_ptr, nblocks, t)
+    pdl_begin(PDL)
     if inside == 0:
         tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, tl.zeros([R], tl.float32).to(
             out_ptr.dtype.element_ty))  # fmt: skip

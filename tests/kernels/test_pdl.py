@@ -1,6 +1,7 @@
 """Programmatic dependent launch (ddserve/kernels/pdl.py): when it is on, and the contract every
 PDL kernel keeps (its programs wait for the previous kernel before touching memory that another
-kernel writes or reads, and before any early return). The contract is checked on the source of
+kernel writes or reads, reading before it only metadata that no layer of the forward writes, and
+before any early return). The contract is checked on the source of
 every kernel with a `PDL` parameter and on the sm_90 PTX of the matmul (whose weight prefetch
 comes before the wait) and of the Gluon MoE kernel, compiled on the CPU. That PDL leaves results
 unchanged on an H200 is checked by tests/gpu/test_pdl_gpu.py."""
@@ -69,17 +70,22 @@ def _is_wait(stmt: ast.stmt) -> bool:
     )  # fmt: skip
 
 
+PRE_WAIT = ("prefetch", "read_meta")  # name prefixes of the helpers a kernel may call pre-wait
+
+
 def test_prefetch_helpers_only_read() -> None:
     """What a kernel may call before its wait besides `prefetch_l2`: `prefetch_*` helpers, which
-    load addresses (metadata) but never write."""
+    load addresses (metadata) and ask L2 for lines, and `read_meta_*` helpers, which load
+    metadata no layer of the forward writes; neither writes."""
     require_triton()
     helpers = []
     for name in PDL_MODULES:
         mod = importlib.import_module(f"ddserve.kernels.{name}")
         tree = ast.parse(textwrap.dedent(inspect.getsource(mod)))
         helpers += [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
-                    and n.name.startswith("prefetch")]  # fmt: skip
-    assert [h.name for h in helpers] == ["prefetch_prefix_keys"]
+                    and n.name.startswith(PRE_WAIT)]  # fmt: skip
+    assert sorted(h.name for h in helpers) == [
+        "prefetch_prefix_keys", "read_meta_block", "read_meta_in_blocks"]  # fmt: skip
     for h in helpers:
         calls = {n.func.attr for n in ast.walk(h) if isinstance(n, ast.Call)
                  and isinstance(n.func, ast.Attribute)}  # fmt: skip
@@ -104,8 +110,8 @@ def test_every_pdl_kernel_waits_before_touching_memory_or_returning() -> None:
                         f"{name}: {ast.unparse(node)[:80]} before the wait"
                     )  # fmt: skip
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                    assert node.func.id.startswith("prefetch"), (
-                        f"{name}: {node.func.id}(...) before the wait (only prefetch helpers)"
+                    assert node.func.id.startswith(PRE_WAIT), (
+                        f"{name}: {node.func.id}(...) before the wait (only {PRE_WAIT} helpers)"
                     )  # fmt: skip
 
 
