@@ -87,6 +87,40 @@ class LatentCache:
         return self.pool.numel() * self.pool.element_size()
 
 
+class _Staging:
+    """Host int64 rows to the device in one copy. On CUDA through a reused pinned buffer and a
+    non-blocking copy, so the host does not wait for the stream to reach the copy (a pageable
+    copy makes torch synchronize the stream); the buffer is rewritten only after its previous
+    copy has run. The device tensor a call returns is valid until the next call's copy, which
+    the stream orders after every use queued before it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: torch.Tensor | None = None  # [K, N] pinned
+        self.dev: torch.Tensor | None = None  # [K, N] on the device
+        self.copied: torch.cuda.Event | None = None
+
+    def put(self, rows: list[list[int]]) -> torch.Tensor:
+        """rows: K lists of n ints -> a [K, n] int64 device tensor."""
+        if self.device.type != "cuda":
+            return torch.tensor(rows, dtype=torch.long).to(self.device)
+        k, n = len(rows), len(rows[0])
+        if self.copied is not None:
+            self.copied.synchronize()  # the last copy out of `host` has run
+        if self.host is None or self.host.shape != (k, max(n, self.host.shape[1])):
+            size = max(n, 256, 0 if self.host is None else 2 * self.host.shape[1])
+            self.host = torch.empty(k, size, dtype=torch.long).pin_memory()
+            self.dev = torch.empty(k, size, dtype=torch.long, device=self.device)
+            self.copied = torch.cuda.Event()
+        view = self.host.numpy()
+        for i, r in enumerate(rows):
+            view[i, :n] = r
+        dst = self.dev[:, :n]
+        dst.copy_(self.host[:, :n], non_blocking=True)
+        self.copied.record(torch.cuda.current_stream(self.device))
+        return dst
+
+
 class SlotTable:
     """Device mirror of every stream's ordered slot list, updated by appends only.
 
@@ -101,6 +135,7 @@ class SlotTable:
         self.table = torch.zeros(rows, max_len, dtype=torch.long, device=self.device)  # [R, L]
         self._row: dict = {}
         self._free = list(range(rows - 1, -1, -1))
+        self._staging = _Staging(self.device)
 
     def add(self, sid) -> None:
         if not self._free:
@@ -115,8 +150,9 @@ class SlotTable:
             self._free.append(row)
 
     def append(self, items: list[tuple[object, int, list[int]]]) -> None:
-        """items: (sid, position of the first new slot, new slots) -> one indexed write. A write
-        past the end of a row raises IndexError before anything is written."""
+        """items: (sid, position of the first new slot, new slots) -> one indexed write, queued on
+        the current stream (on CUDA the host does not wait for it). A write past the end of a row
+        raises IndexError before anything is written."""
         rows, cols, vals, width = [], [], [], self.max_len
         for sid, start, slots in items:
             if start + len(slots) > width:
@@ -125,7 +161,7 @@ class SlotTable:
             cols += range(start, start + len(slots))
             vals += slots
         if vals:
-            idx = torch.tensor([rows, cols, vals], dtype=torch.long).to(self.device)  # one copy
+            idx = self._staging.put([rows, cols, vals])  # [3, n], one copy
             self.table[idx[0], idx[1]] = idx[2]
 
     def rows(self, sids: list) -> list[int]:

@@ -203,13 +203,15 @@ class ModelRunner:
         prefix = self.slot_table.prefix([st.sid for st in sts], lens)  # [B, P]
         return block_meta(q_lens, prefix, new, mask, self.device, prefix_lens=lens)
 
-    def _keep_slots(self, kept: list[tuple[Stream, list[int]]]) -> None:
-        """Append committed slots to the streams' lists and, in one write, to the device table."""
+    def _keep_slots(self, kept: list[tuple[Stream, list[int]]], written: bool = False) -> None:
+        """Append committed slots to the streams' lists and, in one write, to the device table
+        (unless `written`: the step queued that write already)."""
         items = []
         for st, slots in kept:
             items.append((st.sid, len(st.slots), slots))
             st.slots.extend(slots)
-        self.slot_table.append(items)
+        if not written:
+            self.slot_table.append(items)
 
     def _decode_forward(self, sts: list[Stream], q: int, new: list[list[int]], mask, ids, pos):
         """The forward over q new rows per stream (AR: q = 1; `mask` [B, q, q] the rows'
@@ -383,6 +385,10 @@ class ModelRunner:
             ids = [st.output[-1] for st in sts]
             pos = [len(st.slots) for st in sts]
             out, greedy = self._decode_forward(sts, 1, new, None, ids, pos)
+            # The new slots' table write, queued behind the forward, which reads no table entry
+            # at these positions: its host work overlaps the device's. A failed step leaves
+            # entries past the streams' lengths, which nothing reads.
+            self.slot_table.append([(st.sid, p, s) for st, p, s in zip(sts, pos, new, strict=True)])
             if greedy is not None and all(st.params.greedy for st in sts):
                 toks = greedy.tolist()  # one D2H copy
             else:
@@ -398,7 +404,7 @@ class ModelRunner:
             st.steps += 1
             st.committed.append(1)
             outs[st.sid] = st.emit([tok])
-        self._keep_slots(list(zip(sts, new, strict=True)))
+        self._keep_slots(list(zip(sts, new, strict=True)), written=True)
         return self._finish(outs)
 
     @torch.no_grad()

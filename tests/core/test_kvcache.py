@@ -89,12 +89,21 @@ def test_a_step_that_raises_returns_its_new_slots(tiny_model_dir, monkeypatch):
         assert runner.free_slots == before
 
 
-def test_slot_table_mirrors_appends_and_reuses_rows():
-    """The device table gives each stream exactly its appended slots, in order, across growth."""
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the pinned-staging path needs CUDA")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_table_mirrors_appends_and_reuses_rows(device):
+    """The device table gives each stream exactly its appended slots, in order, across growth
+    (of the table's rows and, on CUDA, of the staging buffers)."""
     from ddserve.kvcache import SlotTable
 
     rng = random.Random(0)
-    table, lists = SlotTable(max_len=64, device="cpu", rows=2), {}
+    table, lists = SlotTable(max_len=512, device=device, rows=2), {}
     for step in range(200):
         if rng.random() < 0.2 or not lists:
             sid = step
@@ -107,7 +116,7 @@ def test_slot_table_mirrors_appends_and_reuses_rows():
             continue
         items = []
         for sid, slots in lists.items():
-            k = rng.randint(0, min(3, 64 - len(slots)))
+            k = rng.randint(0, min(3 if step % 50 else 300, 512 - len(slots)))
             new = [rng.randrange(10_000) for _ in range(k)]
             items.append((sid, len(slots), new))
             slots.extend(new)
@@ -125,12 +134,13 @@ def _table_rows(table, lists: dict) -> dict:
     return {s: got[i, : len(lists[s])].tolist() for i, s in enumerate(sids)}
 
 
-def test_slot_table_long_append_then_a_short_one():
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_table_long_append_then_a_short_one(device):
     """A long append (1,500 slots at once, as a long prompt's chunks add) and a short one after
     it both land where they belong."""
     from ddserve.kvcache import SlotTable
 
-    table = SlotTable(max_len=2048, device="cpu", rows=2)
+    table = SlotTable(max_len=2048, device=device, rows=2)
     table.add("a")
     big = list(range(5000, 6500))
     table.append([("a", 0, big)])
