@@ -87,36 +87,35 @@ class LatentCache:
         return self.pool.numel() * self.pool.element_size()
 
 
-class _Staging:
-    """Host int64 rows to the device in one copy. On CUDA through a reused pinned buffer and a
-    non-blocking copy, so the host does not wait for the stream to reach the copy (a pageable
-    copy makes torch synchronize the stream); the buffer is rewritten only after its previous
-    copy has run. The device tensor a call returns is valid until the next call's copy, which
-    the stream orders after every use queued before it."""
+class Staging:
+    """Host ints to the device in one copy. On CUDA through a reused pinned buffer and a
+    non-blocking copy, so the host does not wait for the stream to reach the copy (a copy from
+    pageable memory, e.g. `torch.tensor(list, device=cuda)`, makes torch synchronize the
+    stream); the buffer is rewritten only after its previous copy has run. The tensor a call
+    returns is valid until the next call's copy, which the stream orders after every use queued
+    before it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.host: torch.Tensor | None = None  # [K, N] pinned
-        self.dev: torch.Tensor | None = None  # [K, N] on the device
+        self.host: torch.Tensor | None = None  # [N] pinned
+        self.dev: torch.Tensor | None = None  # [N] on the device
         self.copied: torch.cuda.Event | None = None
 
-    def put(self, rows: list[list[int]]) -> torch.Tensor:
-        """rows: K lists of n ints -> a [K, n] int64 device tensor."""
+    def put(self, values: list[int]) -> torch.Tensor:
+        """values -> a [len(values)] int64 tensor on the device (queued on the current stream)."""
         if self.device.type != "cuda":
-            return torch.tensor(rows, dtype=torch.long).to(self.device)
-        k, n = len(rows), len(rows[0])
+            return torch.tensor(values, dtype=torch.long).to(self.device)
+        n = len(values)
         if self.copied is not None:
             self.copied.synchronize()  # the last copy out of `host` has run
-        if self.host is None or self.host.shape != (k, max(n, self.host.shape[1])):
-            size = max(n, 256, 0 if self.host is None else 2 * self.host.shape[1])
-            self.host = torch.empty(k, size, dtype=torch.long).pin_memory()
-            self.dev = torch.empty(k, size, dtype=torch.long, device=self.device)
+        if self.host is None or self.host.numel() < n:
+            size = max(n, 1024, 0 if self.host is None else 2 * self.host.numel())
+            self.host = torch.empty(size, dtype=torch.long).pin_memory()
+            self.dev = torch.empty(size, dtype=torch.long, device=self.device)
             self.copied = torch.cuda.Event()
-        view = self.host.numpy()
-        for i, r in enumerate(rows):
-            view[i, :n] = r
-        dst = self.dev[:, :n]
-        dst.copy_(self.host[:, :n], non_blocking=True)
+        self.host.numpy()[:n] = values
+        dst = self.dev[:n]
+        dst.copy_(self.host[:n], non_blocking=True)
         self.copied.record(torch.cuda.current_stream(self.device))
         return dst
 
@@ -135,7 +134,7 @@ class SlotTable:
         self.table = torch.zeros(rows, max_len, dtype=torch.long, device=self.device)  # [R, L]
         self._row: dict = {}
         self._free = list(range(rows - 1, -1, -1))
-        self._staging = _Staging(self.device)
+        self._staging = Staging(self.device)
 
     def add(self, sid) -> None:
         if not self._free:
@@ -161,8 +160,9 @@ class SlotTable:
             cols += range(start, start + len(slots))
             vals += slots
         if vals:
-            idx = self._staging.put([rows, cols, vals])  # [3, n], one copy
-            self.table[idx[0], idx[1]] = idx[2]
+            n = len(vals)
+            idx = self._staging.put(rows + cols + vals)  # [3 n], one copy
+            self.table[idx[:n], idx[n : 2 * n]] = idx[2 * n :]
 
     def rows(self, sids: list) -> list[int]:
         """The table rows of these streams (host ints)."""

@@ -14,6 +14,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from ddserve.kvcache import Staging
+
 
 class ContextCache:
     def __init__(
@@ -34,6 +36,7 @@ class ContextCache:
         self._rows: dict[Hashable, int] = {}
         self._host_len: dict[Hashable, int] = {}
         self._free = list(range(max_streams - 1, -1, -1))
+        self._staging = Staging(self.k.device)
 
     def add(self, sid: Hashable) -> None:
         if sid in self._rows:
@@ -89,12 +92,13 @@ class ContextCache:
             rows += [self._rows[sid]] * t
             idx += [(start + i) % self.capacity for i in range(t)]
             lens.append(start + t)
-        dev = self.k.device
-        r, i = torch.tensor(rows, device=dev), torch.tensor(idx, device=dev)  # [sum T] each
+        n, b = len(rows), len(items)
+        sid_rows = [self._rows[sid] for sid, _, _ in items]
+        flat = self._staging.put(rows + idx + sid_rows + lens)  # one copy, no stream sync
+        r, i = flat[:n], flat[n : 2 * n]  # [sum T] each
         self.k[:, r, i] = k.to(self.k.dtype)
         self.v[:, r, i] = v.to(self.v.dtype)
-        sid_rows = torch.tensor([self._rows[sid] for sid, _, _ in items], device=dev)
-        self.lengths[sid_rows] = torch.tensor(lens, device=dev)
+        self.lengths[flat[2 * n : 2 * n + b]] = flat[2 * n + b :]
         for (sid, _, _), n in zip(items, lens, strict=True):
             self._host_len[sid] = n
 
