@@ -88,30 +88,31 @@ class LatentCache:
 
 
 class Staging:
-    """Host ints to the device in one copy. On CUDA through a reused pinned buffer and a
-    non-blocking copy, so the host does not wait for the stream to reach the copy (a copy from
-    pageable memory, e.g. `torch.tensor(list, device=cuda)`, makes torch synchronize the
-    stream); the buffer is rewritten only after its previous copy has run. The tensor a call
-    returns is valid until the next call's copy, which the stream orders after every use queued
-    before it."""
+    """Host numbers (`dtype`: int64 by default) to the device in one copy. On CUDA through a
+    reused pinned buffer and a non-blocking copy, so the host does not wait for the stream to
+    reach the copy (a copy from pageable memory, e.g. `torch.tensor(list, device=cuda)`, makes
+    torch synchronize the stream); the buffer is rewritten only after its previous copy has
+    run. The tensor a call returns is valid until the next call's copy, which the stream orders
+    after every use queued before it."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.long) -> None:
+        self.device, self.dtype = device, dtype
         self.host: torch.Tensor | None = None  # [N] pinned
         self.dev: torch.Tensor | None = None  # [N] on the device
         self.copied: torch.cuda.Event | None = None
 
-    def put(self, values: list[int]) -> torch.Tensor:
-        """values -> a [len(values)] int64 tensor on the device (queued on the current stream)."""
+    def put(self, values: list) -> torch.Tensor:
+        """values -> a [len(values)] tensor of `dtype` on the device (queued on the current
+        stream; the values rounded to `dtype` as torch.tensor would)."""
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long).to(self.device)
+            return torch.tensor(values, dtype=self.dtype).to(self.device)
         n = len(values)
         if self.copied is not None:
             self.copied.synchronize()  # the last copy out of `host` has run
         if self.host is None or self.host.numel() < n:
             size = max(n, 1024, 0 if self.host is None else 2 * self.host.numel())
-            self.host = torch.empty(size, dtype=torch.long).pin_memory()
-            self.dev = torch.empty(size, dtype=torch.long, device=self.device)
+            self.host = torch.empty(size, dtype=self.dtype).pin_memory()
+            self.dev = torch.empty(size, dtype=self.dtype, device=self.device)
             self.copied = torch.cuda.Event()
         self.host.numpy()[:n] = values
         dst = self.dev[:n]

@@ -26,7 +26,7 @@ from ddserve.engine.stream import StepOutput, Stream, stop_ids
 from ddserve.engine.threads import configure_cpu_threads
 from ddserve.kernels import backend
 from ddserve.kernels.config import KernelConfig
-from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable
+from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable, Staging
 from ddserve.model.moe import build_dequantized_caches
 from ddserve.sampling import SamplingParams
 
@@ -101,6 +101,8 @@ class ModelRunner:
         )
         self.allocator = SlotAllocator(self.cfg.num_slots)
         self.slot_table = SlotTable(self.cfg.num_slots, self.device, rows=self.cfg.max_streams)
+        self._sample_floats = Staging(self.device, torch.float32)  # temperature, top_p
+        self._sample_ints = Staging(self.device)  # top_k, seed, step
         self.drafter = self._make_drafter(drafter)
         self.streams: dict[Hashable, Stream] = {}
         self._reserved = 0
@@ -276,12 +278,15 @@ class ModelRunner:
         params = [st.params for st in sts]
         if all(p.greedy for p in params):  # argmax: no sampling inputs to send to the device
             return logits.argmax(dim=-1)
-        dev = logits.device
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]])
-        ints = torch.tensor(
-            [[p.top_k for p in params], [st.seed for st in sts], [st.steps for st in sts]]
+        b = len(sts)
+        floats = self._sample_floats.put(
+            [p.temperature for p in params] + [p.top_p for p in params]
         )
-        (temp, top_p), (top_k, seeds, steps) = floats.to(dev), ints.to(dev)  # one copy each
+        ints = self._sample_ints.put(
+            [p.top_k for p in params] + [st.seed for st in sts] + [st.steps for st in sts]
+        )  # one copy each, no stream sync (`Staging`)
+        temp, top_p = floats[:b], floats[b:]
+        top_k, seeds, steps = ints[:b], ints[b : 2 * b], ints[2 * b :]
         return select_tokens(logits, temp, top_k, top_p, seeds, steps)
 
     def _active(self, sids: list[Hashable]) -> list[Stream]:

@@ -294,3 +294,20 @@ def test_a_multi_row_block_needs_its_mask(tiny_model_dir):
     st = runner.streams["a"]
     with pytest.raises(ValueError, match="mask"):
         runner._decode_forward([st], 2, [[60, 61]], None, [1, 2], [3, 4])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_staging_puts_what_torch_tensor_makes_and_reuses_its_buffers(device):
+    """`Staging.put` == torch.tensor(values) on the device, for ints and float32, through
+    buffer growth and reuse (each result read before the next put, as its callers use it)."""
+    from ddserve.kvcache import Staging
+
+    rng = random.Random(1)
+    for dtype in (torch.long, torch.float32):
+        st = Staging(torch.device(device), dtype)
+        for n in (3, 1, 700, 5, 2500, 8):
+            vals = [rng.randrange(-(2**40), 2**40) for _ in range(n)] if dtype == torch.long else [
+                rng.uniform(-3, 3) for _ in range(n)]  # fmt: skip
+            got = st.put(vals)
+            assert got.device.type == device and got.dtype == dtype
+            assert torch.equal(got.cpu(), torch.tensor(vals, dtype=dtype)), (dtype, n)
