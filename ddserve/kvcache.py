@@ -121,36 +121,6 @@ class Staging:
         return dst
 
 
-class HostCopy:
-    """A device tensor's values to the host through a reused pinned buffer: `start` queues the
-    copy on the current stream without waiting; `result` waits for that copy alone (work
-    queued after it may still run) and returns the values as a list. CPU tensors are read
-    directly."""
-
-    def __init__(self) -> None:
-        self.host: torch.Tensor | None = None
-        self.done: torch.cuda.Event | None = None
-        self._src: torch.Tensor | None = None
-
-    def start(self, t: torch.Tensor) -> None:
-        self._src = t
-        if t.device.type != "cuda":
-            return
-        n = t.numel()
-        if self.host is None or self.host.numel() < n or self.host.dtype != t.dtype:
-            self.host = torch.empty(max(n, 64), dtype=t.dtype).pin_memory()
-            self.done = torch.cuda.Event()
-        self.host[:n].copy_(t.reshape(-1), non_blocking=True)
-        self.done.record(torch.cuda.current_stream(t.device))
-
-    def result(self) -> list:
-        t, self._src = self._src, None
-        if t.device.type != "cuda":
-            return t.tolist()
-        self.done.synchronize()
-        return self.host[: t.numel()].view(t.shape).tolist()
-
-
 class SlotTable:
     """Device mirror of every stream's ordered slot list, updated by appends only.
 

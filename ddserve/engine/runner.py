@@ -26,14 +26,7 @@ from ddserve.engine.stream import StepOutput, Stream, stop_ids
 from ddserve.engine.threads import configure_cpu_threads
 from ddserve.kernels import backend
 from ddserve.kernels.config import KernelConfig
-from ddserve.kvcache import (
-    HostCopy,
-    LatentCache,
-    OutOfSlots,
-    SlotAllocator,
-    SlotTable,
-    Staging,
-)
+from ddserve.kvcache import LatentCache, OutOfSlots, SlotAllocator, SlotTable, Staging
 from ddserve.model.moe import build_dequantized_caches
 from ddserve.sampling import SamplingParams
 
@@ -110,7 +103,6 @@ class ModelRunner:
         self.slot_table = SlotTable(self.cfg.num_slots, self.device, rows=self.cfg.max_streams)
         self._sample_floats = Staging(self.device, torch.float32)  # temperature, top_p
         self._sample_ints = Staging(self.device)  # top_k, seed, step
-        self._tokens = HostCopy()  # an AR step's greedy tokens
         self.drafter = self._make_drafter(drafter)
         self.streams: dict[Hashable, Stream] = {}
         self._reserved = 0
@@ -389,15 +381,6 @@ class ModelRunner:
             raise
 
     # ---- decode ----------------------------------------------------------------------------
-    def _commit_inputs(self, sts: list[Stream], hidden: torch.Tensor | None) -> None:
-        """The drafter (if any) commits each stream's last output token, the AR step's input,
-        with its row of the step's hidden states."""
-        if self.drafter is not None:
-            self.drafter.commit_many([
-                (st.sid, [st.output[-1]], None if hidden is None else hidden[i : i + 1])
-                for i, st in enumerate(sts)
-            ])  # fmt: skip
-
     @torch.no_grad()
     def ar_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
         """One target token per stream (q_len 1), through the same model and sampler."""
@@ -411,18 +394,16 @@ class ModelRunner:
             # at these positions: its host work overlaps the device's. A failed step leaves
             # entries past the streams' lengths, which nothing reads.
             self.slot_table.append([(st.sid, p, s) for st, p, s in zip(sts, pos, new, strict=True)])
-            greedy_graph = greedy is not None and all(st.params.greedy for st in sts)
-            # The drafter commits the step's input tokens with their hidden states, before any
-            # stream changes (a failure undoes the step); on the greedy graph path, whose only
-            # later failure is the device's, while the forward runs (its kernels queued after
-            # the token copy, which the host then waits for alone).
-            if greedy_graph:
-                self._tokens.start(greedy)  # the one D2H copy, queued before the commit
-                self._commit_inputs(sts, out.hidden)
-                toks = self._tokens.result()
+            if greedy is not None and all(st.params.greedy for st in sts):
+                toks = greedy.tolist()  # one D2H copy
             else:
                 toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
-                self._commit_inputs(sts, out.hidden)
+            if self.drafter is not None:  # before any stream changes: a failure undoes the step
+                hid = out.hidden
+                self.drafter.commit_many([
+                    (st.sid, [st.output[-1]], None if hid is None else hid[i : i + 1])
+                    for i, st in enumerate(sts)
+                ])  # fmt: skip
         outs = {}
         for st, tok in zip(sts, toks, strict=True):
             st.steps += 1
