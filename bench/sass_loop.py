@@ -2,6 +2,7 @@
 
     python bench/sass_loop.py                           # the MoE up GEMM at one token (BM 8)
     python bench/sass_loop.py --kernel down --set BM=16 --set DEPTH=2 --out loop.json
+    python bench/sass_loop.py --kernel tree --set BM=32      # tree attention: its loops
 
 Compiles a W4A16 MoE kernel (`moe_gluon._w4_up_silu_kernel` or `_w4_gemm_kernel` as the down
 projection) for sm_90 with Triton's bundled ptxas, integer arguments specialised for 16-byte
@@ -14,11 +15,16 @@ the back edge: a load whose value is read a few instructions later makes the war
 memory latency (~600-1000 cycles from HBM) each iteration, unless other warps on the same
 scheduler have work. The MoE kernels run one 4-warp program per SM at one token, so one warp
 per scheduler.
+`--kernel tree` compiles the batch-invariant tree attention (`_tree_attn_inv_kernel`, K2.6 rank
+widths, 64-key tiles, 3 stages, 8 warps, decode's 16-row tiles unless --set BM=32) and reports
+its size and every loop (instructions and most frequent opcodes): the 64-key shared-tile loop,
+the tail tiles' loops, the mask loop; what comes before the first loop is the prologue.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import subprocess
@@ -34,9 +40,31 @@ INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 REG = re.compile(r"\bR(\d+)\b")
 
 
+TREE_PTRS = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "q_starts_ptr",
+             "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr", "mask_ptr")  # fmt: skip
+TREE_TYPES = ("*bf16",) * 4 + ("*fp32",) * 2 + ("*i64",) * 5 + ("*u8",)
+# strides the runtime specialises (16-divisible at K2.6 widths); the kernel's do_not_specialize
+# integers (tiles, nsplit, stride_ps, stride_mb, stride_mq) get no divisibility
+TREE_STRIDES = ("stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_kv", "stride_ot",
+                "stride_oh")  # fmt: skip
+
+
+def _tree_kernel():
+    from ddserve.kernels import tree_attn_invariant
+
+    sig = dict(zip(TREE_PTRS, TREE_TYPES, strict=True))
+    sig["scale_log2"] = "fp32"
+    ints = ("tiles", "nsplit", *TREE_STRIDES, "stride_ps", "stride_mb", "stride_mq")
+    consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=0, LINE_PAD=1,
+                  LINE_STEP=64, OFF64=False)  # fmt: skip
+    return tree_attn_invariant._tree_attn_inv_kernel, sig, ints, consts
+
+
 def _kernel(name: str):
     from ddserve.kernels import moe_gluon
 
+    if name == "tree":
+        return _tree_kernel()
     if name == "up":
         sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", part_ptr="*fp32",
                    pairs_ptr="*i64", bexp_ptr="*i64", h_ptr="*bf16", ticket_ptr="*i32")  # fmt: skip
@@ -56,6 +84,7 @@ def _kernel(name: str):
 def compile_sass(kernel: str, overrides: dict) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn, sig, ints, consts = _kernel(kernel)
@@ -67,11 +96,15 @@ def compile_sass(kernel: str, overrides: dict) -> str:
     consts.update(overrides)
     sig.update(dict.fromkeys(ints, "i32"))
     sig.update(dict.fromkeys(consts, "constexpr"))
-    div = [n for n in sig if sig[n] != "constexpr" and n not in ROOT_INTS]
+    if kernel == "tree":
+        div = [n for n in sig if n in TREE_PTRS + TREE_STRIDES]
+        source, options = ASTSource, {"num_warps": 8, "num_stages": 3, "launch_pdl": True}
+    else:
+        div = [n for n in sig if sig[n] != "constexpr" and n not in ROOT_INTS]
+        source, options = GluonASTSource, {"num_warps": consts["W"], "launch_pdl": consts["PDL"]}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                       options={"num_warps": consts["W"], "launch_pdl": consts["PDL"]})  # fmt: skip
+    src = source(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -164,9 +197,24 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int, wrap: bool =
     )
 
 
+def loops_report(ins: list[tuple[int, str]], top: int = 12) -> list[dict]:
+    """Every loop (a backward branch) in program order: its first and last instruction index,
+    its length and its most frequent opcodes (modifiers dropped)."""
+    at = {off: i for i, (off, _) in enumerate(ins)}
+    out = []
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"\bBRA 0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < i:
+            first = at[int(m.group(1), 16)]
+            ops = collections.Counter(_opcode(t).split(".")[0] for _, t in ins[first : i + 1])
+            out.append(dict(first=first, last=i, instructions=i - first + 1,
+                            opcodes=dict(ops.most_common(top))))  # fmt: skip
+    return sorted(out, key=lambda lp: lp["first"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--kernel", choices=("up", "down"), default="up")
+    ap.add_argument("--kernel", choices=("up", "down", "tree"), default="up")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a constexpr of the kernel (repeatable), e.g. BM=16, DEPTH=2")  # fmt: skip
     ap.add_argument("--sass", default=None, help="also write the whole SASS here")
@@ -182,6 +230,16 @@ def main() -> None:
     if args.sass:
         Path(args.sass).write_text(sass)
     ins = parse(sass)
+    if args.kernel == "tree":
+        rep = dict(kernel="tree", overrides=overrides, instructions=len(ins),
+                   loops=loops_report(ins))  # fmt: skip
+        print(f"tree {overrides}: {len(ins)} instructions")
+        for lp in rep["loops"]:
+            ops = ", ".join(f"{k} {v}" for k, v in lp["opcodes"].items())
+            print(f"  loop [{lp['first']}, {lp['last']}] {lp['instructions']} instructions: {ops}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(rep, indent=1))
+        return
     loop = main_loop(ins)
     first, last = loop if loop is not None else (0, len(ins) - 1)
     rep = dict(kernel=args.kernel, overrides=overrides, loop=loop is not None,

@@ -74,3 +74,23 @@ def test_the_moe_up_gemm_loop_compiles_and_has_its_mmas() -> None:
     # BN 128 rows over 4 warps, BK 128, BM 8 tokens: 2 x 8 m16n8k16 MMAs per warp and step
     assert rep["mma"] == 16
     assert any(ld["load"].endswith("LDG.E.128") for ld in rep["loads"])  # the weight stream
+
+
+def test_loops_report_lists_every_loop_with_its_opcodes() -> None:
+    two = SASS.replace("/*0080*/                   EXIT", "/*0080*/               @P2 BRA 0x70")
+    loops = sass_loop.loops_report(sass_loop.parse(two))
+    assert [(lp["first"], lp["last"], lp["instructions"]) for lp in loops] == [(1, 7, 7), (8, 9, 2)]
+    assert loops[0]["opcodes"]["LDG"] == 3 and loops[0]["opcodes"]["BRA"] == 1
+    assert loops[1]["opcodes"] == {"STG": 1, "BRA": 1}
+
+
+def test_the_tree_attention_kernel_compiles_with_its_shared_tile_loop() -> None:
+    pytest.importorskip("triton")
+    try:
+        sass = sass_loop.compile_sass("tree", {})
+    except Exception as e:  # noqa: BLE001 - no sm_90 backend or ptxas in this triton
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
+    loops = sass_loop.loops_report(sass_loop.parse(sass))
+    # the shared-tile loop: one 64-key tile over 8 warps at 16 rows: 36 MMAs for the scores
+    # (512 + 64 columns), 32 for the values, 4 for the row sums
+    assert any(lp["opcodes"].get("HMMA") == 72 and lp["opcodes"].get("LDGSTS") for lp in loops)
