@@ -118,17 +118,24 @@ def parse(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2).strip()) for m in INSTR.finditer(sass)]
 
 
-def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
-    """(first, last) instruction indices of the backward branch that spans the most; None for
-    straight-line code (a kernel whose loops are all unrolled)."""
+def _back_edges(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of every backward branch (a loop), in branch order."""
     at = {off: i for i, (off, _) in enumerate(ins)}
-    best = None
+    edges = []
     for i, (_, text) in enumerate(ins):
         m = re.search(r"\bBRA 0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < i:
-            span = (at[int(m.group(1), 16)], i)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
+            edges.append((at[int(m.group(1), 16)], i))
+    return edges
+
+
+def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
+    """(first, last) instruction indices of the backward branch that spans the most; None for
+    straight-line code (a kernel whose loops are all unrolled)."""
+    best = None
+    for span in _back_edges(ins):
+        if best is None or span[1] - span[0] > best[1] - best[0]:
+            best = span
     return best
 
 
@@ -200,16 +207,12 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int, wrap: bool =
 def loops_report(ins: list[tuple[int, str]], top: int = 12) -> list[dict]:
     """Every loop (a backward branch) in program order: its first and last instruction index,
     its length and its most frequent opcodes (modifiers dropped)."""
-    at = {off: i for i, (off, _) in enumerate(ins)}
     out = []
-    for i, (_, text) in enumerate(ins):
-        m = re.search(r"\bBRA 0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) in at and at[int(m.group(1), 16)] < i:
-            first = at[int(m.group(1), 16)]
-            ops = collections.Counter(_opcode(t).split(".")[0] for _, t in ins[first : i + 1])
-            out.append(dict(first=first, last=i, instructions=i - first + 1,
-                            opcodes=dict(ops.most_common(top))))  # fmt: skip
-    return sorted(out, key=lambda lp: lp["first"])
+    for first, last in sorted(_back_edges(ins)):
+        ops = collections.Counter(_opcode(t).split(".")[0] for _, t in ins[first : last + 1])
+        out.append(dict(first=first, last=last, instructions=last - first + 1,
+                        opcodes=dict(ops.most_common(top))))  # fmt: skip
+    return out
 
 
 def main() -> None:

@@ -63,13 +63,17 @@ def test_straight_line_code_has_no_loop_and_reads_do_not_wrap() -> None:
     assert [(ld["at"], ld["read_after"]) for ld in rep["loads"]] == [(1, 3), (2, 1), (5, 3)]
 
 
-def test_the_moe_up_gemm_loop_compiles_and_has_its_mmas() -> None:
+def _compiled(kernel: str) -> str:
+    """The kernel's sm_90 SASS, or a skip where this triton cannot compile for sm_90."""
     pytest.importorskip("triton")
     try:
-        sass = sass_loop.compile_sass("up", {})
+        return sass_loop.compile_sass(kernel, {})
     except Exception as e:  # noqa: BLE001 - no sm_90 backend or ptxas in this triton
         pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
-    ins = sass_loop.parse(sass)
+
+
+def test_the_moe_up_gemm_loop_compiles_and_has_its_mmas() -> None:
+    ins = sass_loop.parse(_compiled("up"))
     rep = sass_loop.loads_report(ins, *sass_loop.main_loop(ins))
     # BN 128 rows over 4 warps, BK 128, BM 8 tokens: 2 x 8 m16n8k16 MMAs per warp and step
     assert rep["mma"] == 16
@@ -85,12 +89,7 @@ def test_loops_report_lists_every_loop_with_its_opcodes() -> None:
 
 
 def test_the_tree_attention_kernel_compiles_with_its_shared_tile_loop() -> None:
-    pytest.importorskip("triton")
-    try:
-        sass = sass_loop.compile_sass("tree", {})
-    except Exception as e:  # noqa: BLE001 - no sm_90 backend or ptxas in this triton
-        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
-    loops = sass_loop.loops_report(sass_loop.parse(sass))
+    loops = sass_loop.loops_report(sass_loop.parse(_compiled("tree")))
     # the shared-tile loop: one 64-key tile over 8 warps at 16 rows: 36 MMAs for the scores
     # (512 + 64 columns), 32 for the values, 4 for the row sums
     assert any(lp["opcodes"].get("HMMA") == 72 and lp["opcodes"].get("LDGSTS") for lp in loops)
