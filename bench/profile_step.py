@@ -51,18 +51,17 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend, moe_v3, pdl, tree_attn_invariant  # noqa: E402
+from ddserve.kernels import backend, moe_v3, pdl  # noqa: E402
 from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
 # launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all;
 # the shared expert on the main stream (no side stream), or its branch forked before the router;
 # the latent path unsplit (q_a_layernorm's own launch, the query's RoPE in mla_rope_cache);
-# the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits); tree attention with
-# keys as the MMA rows (TRANS: warpgroup MMAs; other bits)
+# the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled", "attn-trans")  # fmt: skip
+            "no-latent-fusion", "moe-rolled")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -354,8 +353,6 @@ def variant(runner, name: str):
     launch variant, and restored after it."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
     moe_config = dict(moe_v3.CONFIG)
-    attn_config = tree_attn_invariant.device_config(torch.device("cuda"))
-    trans = attn_config["TRANS"]
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
@@ -368,8 +365,6 @@ def variant(runner, name: str):
             mod.latent_fusion = False
     elif name == "moe-rolled":
         moe_v3.CONFIG["UNROLL"] = False
-    elif name == "attn-trans":
-        attn_config["TRANS"] = True
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
@@ -379,7 +374,6 @@ def variant(runner, name: str):
     finally:
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
         moe_v3.CONFIG.update(moe_config)
-        attn_config["TRANS"] = trans
         for mod, fused in attention:
             mod.latent_fusion = fused
 

@@ -77,22 +77,18 @@ def _load_keys(kv_ptr, slot, kok, stride_kv, R: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2, TRANS: tl.constexpr):
+def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2):
     """Fold keys c [BN, R], kp [BN, P] into the rows' state where `vis` [BM, BN]. The one score +
     update code of the invariant mode: per-token tiles call it, shared tiles `_shared_key_tile`
     (the same arithmetic where every key is visible)."""
-    if TRANS:  # q, qp transposed: [R, BM], [P, BM]
-        sc = tl.trans(tl.dot(c, q) + tl.dot(kp, qp))  # [BM, BN]
-    else:
-        sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
+    sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(vis, sc * scale_log2, float("-inf"))
     return _online_update(m, l_sum, acc, sc, c)
 
 
 @triton.jit
 def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, stride_kv,
-                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr,
-                     TRANS: tl.constexpr):  # fmt: skip
+                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
     """`_key_tile` for a whole tile of prefix keys, which every row of the tile sees: no masks
     on the loads, and the scores' `where` is on the row alone (padding rows see nothing, as in
     `_key_tile`). The `where` must stay: without it the compiler contracts `sc * scale - m`
@@ -109,10 +105,7 @@ def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, str
     row = kv_ptr + slot * stride_kv  # [BN] row pointers
     c = tl.load(row[:, None] + dr[None, :])
     kp = tl.load(row[:, None] + R + dp[None, :])
-    if TRANS:
-        sc = tl.trans(tl.dot(c, q) + tl.dot(kp, qp))  # [BM, BN]
-    else:
-        sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
+    sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(row_ok[:, None], sc * scale_log2, float("-inf"))
     return _online_update(m, l_sum, acc, sc, c)
 
@@ -154,7 +147,7 @@ def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, ns
 def _tail_tiles(
     q, qp, m, l_sum, acc, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
     mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
-    scale_log2, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr,
+    scale_log2, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [n_lo, n_hi) past the shared prefix tiles, once per token j of the row tile with
     j's own keys (prefix slots below plen, then its path), updating only j's rows; cnt[row] =
@@ -172,7 +165,7 @@ def _tail_tiles(
                 slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
                 vis = (qrow == j)[:, None] & kok[None, :]
                 c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
-                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2, TRANS)
+                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
     return m, l_sum, acc
 
 
@@ -238,7 +231,7 @@ def _tree_attn_inv_kernel(
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
-    LINE_STEP: tl.constexpr, OFF64: tl.constexpr, TRANS: tl.constexpr = False,
+    LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows (`_shared_key_tile`); the tail tiles are done once per token with that token's keys
@@ -280,22 +273,19 @@ def _tree_attn_inv_kernel(
     pfull = (plen // BN) * BN
     m = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
-    if TRANS:  # keys as the MMA rows: the query and the accumulator transposed
-        q = tl.trans(q)
-        qp = tl.trans(qp)
     acc = tl.zeros([BM, R], dtype=tl.float32)
     n_end = tl.minimum(s1, pfull)
     ps_row = pslots_ptr + b * stride_ps
     for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared, every key visible
         slot_s = tl.load(ps_row + n0 + tl.arange(0, BN)).to(tl.int32)
         m, l_sum, acc = _shared_key_tile(q, qp, kv_ptr, slot_s, row_ok, m, l_sum, acc, scale_log2,
-                                         stride_kv, R, P, OFF64, TRANS)  # fmt: skip
+                                         stride_kv, R, P, OFF64)  # fmt: skip
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
     m, l_sum, acc = _tail_tiles(  # tail tiles: each token's own keys
         q, qp, m, l_sum, acc, tl.maximum(s0, pfull), s1, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
         mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
-        scale_log2, R, P, BN, TRANS,
+        scale_log2, R, P, BN,
     )  # fmt: skip
     _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
             stride_ot, stride_oh, H, R)  # fmt: skip
@@ -345,7 +335,7 @@ def _combine_kernel(
 # The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, TRANS=False)
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
 # Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
@@ -436,7 +426,7 @@ def tree_mla_attention_invariant(
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
-        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31, TRANS=cfg["TRANS"],
+        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:
