@@ -140,11 +140,11 @@ def run_shape(args, spec, dev: str) -> dict:
                     x[:t], w, b, p), (full[0][:t], full[1][:t])))]  # fmt: skip
             for t in T_LIST:
                 xt = x[:t].contiguous()
-                us = 1e3 * time_ms(lambda xt=xt, fn=fn: fn(xt, w, b, p), graph=dev == "cuda")
+                us = 1e3 * time_ms(lambda xt=xt, fn=fn, w=w: fn(xt, w, b, p), graph=dev == "cuda")
                 res["us"][t] = round(us, 2)
                 res["GBps"][t] = round(nbytes / us / 1e3, 1)
             if dev == "cuda":
-                res["kernels_per_call_t1"] = kernels_per_call(lambda fn=fn: fn(x[:1], w, b, p))
+                res["kernels_per_call_t1"] = kernels_per_call(lambda fn=fn, w=w: fn(x[:1], w, b, p))
             if name in ("torch_invariant", "fused:bf16"):
                 ids = fn(x, w, b, p)[0]
                 res["tokens_with_other_ids_than_fused"] = int((ids != fused_full[0]).any(-1).sum())

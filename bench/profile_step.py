@@ -135,8 +135,9 @@ def annotated(model: torch.nn.Module):
             (m, f"{name}.{label}") for m, label in METHODS.items() if hasattr(mod, m)
         ]
         for attr, label in attrs:
+            orig = getattr(mod, attr)
 
-            def wrapped(*a, __f=getattr(mod, attr), __n=label, **kw):
+            def wrapped(*a, __f=orig, __n=label, **kw):
                 with record_function(__n):
                     return __f(*a, **kw)
 

@@ -51,11 +51,11 @@ def stacked_rows(*ws: torch.Tensor) -> torch.Tensor | None:
     """[sum N_i, K]: the rows of weights ws, one tensor, while they still lie back to back in one
     buffer (as `share_rows` built them); None if any was replaced since."""
     first = ws[0]
-    offset = first.storage_offset()
+    offset, base = first.storage_offset(), first.untyped_storage().data_ptr()
     for w in ws:
+        in_place = w.untyped_storage().data_ptr() == base and w.storage_offset() == offset
         if not (w.is_contiguous() and w.shape[1:] == first.shape[1:] and w.device == first.device
-                and w.dtype == first.dtype and w.storage_offset() == offset
-                and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):  # fmt: skip
+                and w.dtype == first.dtype and in_place):  # fmt: skip
             return None
         offset += w.numel()
     return first.as_strided((sum(w.shape[0] for w in ws), first.shape[1]), first.stride())

@@ -107,7 +107,9 @@ def test_down_projections_share_one_buffer_filled_by_the_loader(tiny_model_dir):
         q_a, kv_a = attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight
         merged = stacked_rows(q_a, kv_a)
         assert merged is not None, name
-        want = torch.cat([ckpt[stem + ".q_a_proj.weight"], ckpt[stem + ".kv_a_proj_with_mqa.weight"]])
+        want = torch.cat(
+            [ckpt[stem + ".q_a_proj.weight"], ckpt[stem + ".kv_a_proj_with_mqa.weight"]]
+        )
         assert torch.equal(merged, want.float()), name
         q, kv = attn._down_projections(torch.randn(3, q_a.shape[1]))  # CPU: two matmuls
         assert q.shape == (3, q_a.shape[0]) and kv.shape == (3, kv_a.shape[0])
