@@ -56,7 +56,7 @@ def _tree_kernel():
     sig["scale_log2"] = "fp32"
     ints = ("tiles", "nsplit", *TREE_STRIDES, "stride_ps", "stride_mb", "stride_mq")
     consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=0, LINE_PAD=1,
-                  LINE_STEP=64, OFF64=False, VC=1, DECODE=False)  # fmt: skip
+                  LINE_STEP=64, OFF64=False)  # fmt: skip
     return tree_attn_invariant._tree_attn_inv_kernel, sig, ints, consts
 
 

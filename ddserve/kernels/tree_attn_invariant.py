@@ -56,10 +56,8 @@ def _row_sum(p):
 
 @triton.jit
 def _online_update(m, l_sum, acc, sc, c):
-    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, RC] into (m, l, acc); the
-    denominator sums the same 16-bit weights the values are multiplied by. Each value column's
-    arithmetic is its own (an MMA output column over the keys), so a program may hold any
-    chunk of the columns: the bits do not depend on which others it holds."""
+    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, R] into (m, l, acc); the
+    denominator sums the same 16-bit weights the values are multiplied by."""
     m_new = tl.maximum(m, tl.max(sc, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(sc - m_new[:, None]).to(c.dtype)
@@ -79,33 +77,18 @@ def _load_keys(kv_ptr, slot, kok, stride_kv, R: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
-def _value_chunk(c, rows, col0, kok, VC: tl.constexpr):
-    """The values of the program's column chunk: c itself when it holds every column (VC 1),
-    else the keys' latent columns [col0, col0 + R / VC) loaded again ([BN, R / VC]; rows: the
-    keys' row pointers, 0 where not `kok`)."""
-    if VC == 1:
-        cv = c
-    else:
-        dc = col0 + tl.arange(0, c.shape[1] // VC)
-        cv = tl.load(rows[:, None] + dc[None, :], mask=kok[:, None], other=0.0)
-    return cv
-
-
-@triton.jit
-def _key_tile(q, qp, c, kp, cv, vis, m, l_sum, acc, scale_log2):
-    """Fold keys c [BN, R], kp [BN, P] (values cv: the program's column chunk of c) into the
-    rows' state where `vis` [BM, BN]. The one score + update code of the invariant mode:
-    per-token tiles call it, shared tiles `_shared_key_tile` (the same arithmetic where every
-    key is visible)."""
+def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2):
+    """Fold keys c [BN, R], kp [BN, P] into the rows' state where `vis` [BM, BN]. The one score +
+    update code of the invariant mode: per-token tiles call it, shared tiles `_shared_key_tile`
+    (the same arithmetic where every key is visible)."""
     sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(vis, sc * scale_log2, float("-inf"))
-    return _online_update(m, l_sum, acc, sc, cv)
+    return _online_update(m, l_sum, acc, sc, c)
 
 
 @triton.jit
-def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, stride_kv, col0,
-                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr,
-                     VC: tl.constexpr):  # fmt: skip
+def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, stride_kv,
+                     R: tl.constexpr, P: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
     """`_key_tile` for a whole tile of prefix keys, which every row of the tile sees: no masks
     on the loads, and the scores' `where` is on the row alone (padding rows see nothing, as in
     `_key_tile`). The `where` must stay: without it the compiler contracts `sc * scale - m`
@@ -122,13 +105,9 @@ def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, str
     row = kv_ptr + slot * stride_kv  # [BN] row pointers
     c = tl.load(row[:, None] + dr[None, :])
     kp = tl.load(row[:, None] + R + dp[None, :])
-    if VC == 1:
-        cv = c
-    else:
-        cv = tl.load(row[:, None] + col0 + tl.arange(0, R // VC)[None, :])
     sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(row_ok[:, None], sc * scale_log2, float("-inf"))
-    return _online_update(m, l_sum, acc, sc, cv)
+    return _online_update(m, l_sum, acc, sc, c)
 
 
 @triton.jit
@@ -148,13 +127,11 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
 
 # One binary for every call: no value specialisation of the shape-dependent integers.
 @triton.jit
-def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit, col0,
-            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr, VC: tl.constexpr):  # fmt: skip
-    """A split's result for the program's value columns [col0, col0 + R / VC): the output
-    itself when it is the only split (runtime branch, one binary: the merge of a single split
-    is the result itself), else its partial, and the lse from the first column chunk's program
-    (every chunk's program computes the same one)."""
-    dr = col0 + tl.arange(0, R // VC)
+def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    """A split's result: the output itself when it is the only split (runtime branch, one
+    binary: the merge of a single split is the result itself), else its partial + lse."""
+    dr = tl.arange(0, R)
     res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
     if nsplit == 1:
         o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
@@ -163,33 +140,21 @@ def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, ns
         lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
         prow = (t * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
         tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
-        tl.store(plse_ptr + prow, lse, mask=row_ok & (col0 == 0))
+        tl.store(plse_ptr + prow, lse, mask=row_ok)
 
 
 @triton.jit
 def _tail_tiles(
     q, qp, m, l_sum, acc, n_lo, n_hi, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
     mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
-    scale_log2, col0, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr, VC: tl.constexpr,
-    DECODE: tl.constexpr,
+    scale_log2, R: tl.constexpr, P: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [n_lo, n_hi) past the shared prefix tiles, once per token j of the row tile with
     j's own keys (prefix slots below plen, then its path), updating only j's rows; cnt[row] =
-    the row's visible block tokens (its depth + 1). DECODE (a call whose blocks are one token
-    each): the same keys and arithmetic without the path search, the token's keys being its
-    prefix and itself."""
+    the row's visible block tokens (its depth + 1)."""
     for n0 in range(n_lo, n_hi, BN):
         kidx = n0 + tl.arange(0, BN)
-        if DECODE:
-            kok = kidx <= plen
-            in_pre = kidx < plen
-            ps = tl.load(pslots_ptr + b * stride_ps + kidx, mask=in_pre, other=0)
-            slot_t = tl.where(in_pre, ps, tl.load(bslots_ptr + q0)).to(tl.int64)
-            vis = (qrow < qlen)[:, None] & kok[None, :]
-            c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
-            cv = _value_chunk(c_t, kv_ptr + slot_t * stride_kv, col0, kok, VC)
-            m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, cv, vis, m, l_sum, acc, scale_log2)
-        for j in range(tok0, tl.where(DECODE, tok0, tok1)):
+        for j in range(tok0, tok1):
             nj = plen + tl.max(tl.where(qrow == j, cnt, 0), 0)
             if nj > n0:
                 kok = kidx < nj
@@ -200,8 +165,7 @@ def _tail_tiles(
                 slot_t = tl.where(in_pre, ps, bs).to(tl.int64)
                 vis = (qrow == j)[:, None] & kok[None, :]
                 c_t, kp_t = _load_keys(kv_ptr, slot_t, kok, stride_kv, R, P)
-                cv = _value_chunk(c_t, kv_ptr + slot_t * stride_kv, col0, kok, VC)
-                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, cv, vis, m, l_sum, acc, scale_log2)
+                m, l_sum, acc = _key_tile(q, qp, c_t, kp_t, vis, m, l_sum, acc, scale_log2)
     return m, l_sum, acc
 
 
@@ -267,22 +231,19 @@ def _tree_attn_inv_kernel(
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
-    LINE_STEP: tl.constexpr, OFF64: tl.constexpr, VC: tl.constexpr, DECODE: tl.constexpr,
+    LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
 ):  # fmt: skip
-    """Program (row tile, split, value column chunk): whole BN tiles below the prefix length are
-    shared by the tile's rows (`_shared_key_tile`); the tail tiles are done once per token with
-    that token's keys (`_key_tile`, the same arithmetic). Each of the VC programs of a (row
-    tile, split) computes the scores and softmax over all its keys and the values of R / VC
-    columns (the same bits as one program computing them all).
+    """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
+    rows (`_shared_key_tile`); the tail tiles are done once per token with that token's keys
+    (`_key_tile`, the same arithmetic).
     ROW_LINES > 0 (PDL launches of verify calls): the first row tile's program of each split
     prefetches the split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    col0 = tl.program_id(2) * (R // VC)  # the program's first value column
     b = pid // tiles
     tile = pid % tiles
     if ROW_LINES > 0:
-        if (tile == 0) & (col0 == 0):
+        if tile == 0:
             prefetch_prefix_keys(kv_ptr, pslots_ptr, plens_ptr, b, split * SPLIT, stride_ps,
                                  stride_kv, ROW_LINES, LINE_PAD, LINE_STEP, SPLIT)  # fmt: skip
     r = tile * BM + tl.arange(0, BM)  # [BM] (row, head) pairs of this block
@@ -299,8 +260,7 @@ def _tree_attn_inv_kernel(
     if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
         if nsplit > 1:
             prow = (t * H + head) * nsplit + split
-            tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32),
-                     mask=row_ok & (col0 == 0))  # fmt: skip
+            tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
         return
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
@@ -313,22 +273,22 @@ def _tree_attn_inv_kernel(
     pfull = (plen // BN) * BN
     m = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, R // VC], dtype=tl.float32)
+    acc = tl.zeros([BM, R], dtype=tl.float32)
     n_end = tl.minimum(s1, pfull)
     ps_row = pslots_ptr + b * stride_ps
     for n0 in range(s0, n_end, BN):  # whole tiles of prefix keys: shared, every key visible
         slot_s = tl.load(ps_row + n0 + tl.arange(0, BN)).to(tl.int32)
         m, l_sum, acc = _shared_key_tile(q, qp, kv_ptr, slot_s, row_ok, m, l_sum, acc, scale_log2,
-                                         stride_kv, col0, R, P, OFF64, VC)  # fmt: skip
+                                         stride_kv, R, P, OFF64)  # fmt: skip
     tok0 = (tile * BM) // H
     tok1 = tl.minimum((tile * BM + BM - 1) // H + 1, qlen)
     m, l_sum, acc = _tail_tiles(  # tail tiles: each token's own keys
         q, qp, m, l_sum, acc, tl.maximum(s0, pfull), s1, tok0, tok1, qrow, cnt, b, q0, qlen, plen,
         mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
-        scale_log2, col0, R, P, BN, VC, DECODE,
+        scale_log2, R, P, BN,
     )  # fmt: skip
-    _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit, col0,
-            stride_ot, stride_oh, H, R, VC)  # fmt: skip
+    _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H, R)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "nblocks"])
@@ -375,7 +335,7 @@ def _combine_kernel(
 # The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, VC=1)
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
 # Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
@@ -391,11 +351,6 @@ LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SME
 # of 2k / 16k slots): 1 stream 81 / 585 programs, 2: 162 / 1170, 3: 243, 5: 405, 10: 810.
 SMALL_BM = 16
 SMALL_BM_PROGRAMS = 640
-# Value column chunks (VC programs per row tile and split, each R / VC columns; a row's bits do
-# not depend on VC): small calls leave most SMs idle, so they split the value columns while
-# the grid stays within VALUE_CHUNK_PROGRAMS programs.
-VALUE_CHUNKS = (4, 2)
-VALUE_CHUNK_PROGRAMS = 512
 
 
 def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
@@ -403,15 +358,6 @@ def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
     rows = q_max * heads  # padded rows per block
     grid = nblocks * triton.cdiv(rows, SMALL_BM) * nsplit
     return min(bm, SMALL_BM) if rows <= SMALL_BM or grid <= SMALL_BM_PROGRAMS else bm
-
-
-def value_chunks(programs: int, width: int) -> int:
-    """The call's VC from its grid without value chunks: the most chunks (of VALUE_CHUNKS, each
-    a multiple of 64 columns) that keep the grid within VALUE_CHUNK_PROGRAMS, else 1."""
-    for vc in VALUE_CHUNKS:
-        if programs * vc <= VALUE_CHUNK_PROGRAMS and width % (64 * vc) == 0:
-            return vc
-    return 1
 
 
 @functools.lru_cache(maxsize=16)
@@ -434,8 +380,7 @@ def tree_mla_attention_invariant(
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
     `config` overrides keys of the device's configuration (`device_config`; tests use small
     tiles); rows are only comparable between calls with the same BN, SPLIT, warps and stages.
-    Without a BM in `config`, `row_tile` picks it from the call's shapes; without a VC,
-    `value_chunks` (CUDA only; 1 elsewhere)."""
+    Without a BM in `config`, `row_tile` picks it from the call's shapes."""
     t, h, r = q_latent.shape
     unknown = set(config or {}) - set(INVARIANT_CONFIG)
     if unknown:
@@ -447,10 +392,6 @@ def tree_mla_attention_invariant(
     if "BM" not in (config or {}):
         cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
     tiles = triton.cdiv(q_max * h, cfg["BM"])
-    if "VC" not in (config or {}) and q_latent.is_cuda:
-        cfg["VC"] = value_chunks(nblocks * tiles * nsplit, r)
-    if r % cfg["VC"]:
-        raise ValueError(f"invariant tree attention: VC {cfg['VC']} does not divide the width {r}")
     if nsplit == 1 or t == 0 or nblocks == 0:
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
         po = plse = out  # unused placeholders
@@ -476,7 +417,7 @@ def tree_mla_attention_invariant(
     aligned = kv_cache.data_ptr() % 128 == 0 and kv_cache.stride(0) * esize % 128 == 0
     if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128)
-    _tree_attn_inv_kernel[(nblocks * tiles, nsplit, cfg["VC"])](
+    _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
         q_latent, q_rope, kv_cache, out, po, plse,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
         softmax_scale * math.log2(math.e), tiles, nsplit,
@@ -485,7 +426,7 @@ def tree_mla_attention_invariant(
         mask.stride(1),
         H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
-        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31, VC=cfg["VC"], DECODE=q_max == 1,
+        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:

@@ -209,14 +209,6 @@ def check_rows_do_not_depend_on_the_row_tile_height():
         assert torch.equal(_attn(q, qp, kv, meta, dict(SMALL, BM=bm)), out), bm
 
 
-def check_rows_do_not_depend_on_the_value_chunks():
-    import torch
-
-    q, qp, kv, meta, *_, out = _mixed()
-    for vc in (2, 4):
-        assert torch.equal(_attn(q, qp, kv, meta, dict(SMALL, VC=vc)), out), vc
-
-
 CASES = (
     [("invariant_mode_matches_the_reference", check_invariant_mode_matches_the_reference, ()),
      ("default_mode_matches_the_reference", check_default_mode_matches_the_reference, ())]
@@ -227,8 +219,7 @@ CASES = (
     + [(f"tree_rows_equal_ar_rows[{c}]", check_tree_rows_equal_ar_rows, (c,)) for c in AR_CASES]
     + [("rows_do_not_depend_on_the_batch", check_rows_do_not_depend_on_the_batch, ()),
        ("rows_do_not_depend_on_the_row_tile_height",
-        check_rows_do_not_depend_on_the_row_tile_height, ()),
-       ("rows_do_not_depend_on_the_value_chunks", check_rows_do_not_depend_on_the_value_chunks, ())]
+        check_rows_do_not_depend_on_the_row_tile_height, ())]
 )  # fmt: skip
 
 
@@ -270,16 +261,3 @@ def test_row_tile_is_small_for_decode_and_small_grids():
     assert row_tile(nblocks=1, q_max=17, heads=8, nsplit=65, bm=32) == 16  # 16k slots
     assert row_tile(nblocks=2, q_max=17, heads=8, nsplit=65, bm=32) == 32
     assert row_tile(nblocks=1, q_max=1, heads=8, nsplit=9, bm=16) == 16
-
-
-def test_value_chunks_split_small_grids_only():
-    """`value_chunks`: 4 or 2 programs per row tile and split while the grid stays small, else 1;
-    never a chunk narrower than 64 columns."""
-    from ddserve.kernels.tree_attn_invariant import VALUE_CHUNK_PROGRAMS, value_chunks
-
-    assert value_chunks(9, 512) == 4  # one stream decoding, 2k prefix slots
-    assert value_chunks(VALUE_CHUNK_PROGRAMS // 4, 512) == 4
-    assert value_chunks(VALUE_CHUNK_PROGRAMS // 4 + 1, 512) == 2
-    assert value_chunks(VALUE_CHUNK_PROGRAMS // 2 + 1, 512) == 1
-    assert value_chunks(1, 128) == 2  # 64-column chunks at the narrowest
-    assert value_chunks(1, 64) == 1
