@@ -136,4 +136,3 @@ def test_max_seconds_skips_and_records_configurations(tmp_path):
     assert rep["ddtree"] == []
     kinds = sorted((s["kind"], s["batch"]) for s in rep["skipped"])
     assert kinds == [("ar", 1), ("ddtree", 1), ("ddtree", 1), ("ddtree", 2), ("ddtree", 2)]
-

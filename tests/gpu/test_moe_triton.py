@@ -121,8 +121,7 @@ V3_CONFIGS = [
 
 @pytest.mark.parametrize(
     "config",
-    [{"variant": "v2", **c} for c in V2_CONFIGS]
-    + [{"variant": "v3", **c} for c in V3_CONFIGS],
+    [{"variant": "v2", **c} for c in V2_CONFIGS] + [{"variant": "v3", **c} for c in V3_CONFIGS],
 )
 def test_tile_configs(config):
     check(
