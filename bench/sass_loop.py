@@ -40,9 +40,10 @@ INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 REG = re.compile(r"\bR(\d+)\b")
 
 
-TREE_PTRS = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "q_starts_ptr",
-             "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr", "mask_ptr")  # fmt: skip
-TREE_TYPES = ("*bf16",) * 4 + ("*fp32",) * 2 + ("*i64",) * 5 + ("*u8",)
+TREE_PTRS = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "pl_ptr",
+             "q_starts_ptr", "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr",
+             "mask_ptr")  # fmt: skip
+TREE_TYPES = ("*bf16",) * 4 + ("*fp32",) * 3 + ("*i64",) * 5 + ("*u8",)
 # strides the runtime specialises (16-divisible at K2.6 widths); the kernel's do_not_specialize
 # integers (tiles, nsplit, stride_ps, stride_mb, stride_mq) get no divisibility
 TREE_STRIDES = ("stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_kv", "stride_ot",
@@ -56,7 +57,7 @@ def _tree_kernel():
     sig["scale_log2"] = "fp32"
     ints = ("tiles", "nsplit", *TREE_STRIDES, "stride_ps", "stride_mb", "stride_mq")
     consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=0, LINE_PAD=1,
-                  LINE_STEP=64, OFF64=False)  # fmt: skip
+                  LINE_STEP=64, OFF64=False, LEAVES=1)  # fmt: skip
     return tree_attn_invariant._tree_attn_inv_kernel, sig, ints, consts
 
 

@@ -7,10 +7,17 @@ one configuration per device (`device_config`) serves every call, except the hei
 tiles (BM), which small calls lower (`SMALL_BM`): no step of a row depends on it (scores and
 values are MMAs over keys, the softmax denominator too (`_row_sum`), the rest is per row). So a
 row's arithmetic depends on nothing but its query and its ordered keys: a verify row equals the
-AR decode row of the same token bit for bit, whatever else is batched. Splits are merged in
-split order by `_combine_kernel`; when the host shapes fit one split (P_max + Q_max <= SPLIT)
-the kernel writes the output itself, which is bitwise what the merge of one split gives (o * 1 +
-0, then o / 1).
+AR decode row of the same token bit for bit, whatever else is batched.
+
+The arithmetic of a row: each BN-key tile gives its own softmax state (its max, the sum of its
+16-bit weights, their product with the values; `_leaf_fold`); the tiles of a group (SPLIT keys,
+at multiples of SPLIT) are folded in position order from the empty state (`_fold`: explicit
+FMAs); the groups are merged in group order by `_combine_kernel` (weights exp2(lse - max lse)).
+Who folds a group's tiles is a per-call choice that leaves the bits alone (`part_keys`): its
+program (one program per group) or, for small calls, the merge (one program per tile, each
+writing its raw state), so small calls use SPLIT / BN times the programs. When the host shapes
+fit one split (P_max + Q_max <= keys per program) the kernel writes the output itself, which is
+bitwise what the merge of one split gives (o * 1 + 0, then o / 1).
 
 Cost notes (ptxas sm_90, K2.x widths R=512, P=64, H=8): the [BN, 512] key tile and the [BM, 512]
 fp32 accumulator share 255 registers per thread; BM=32 BN=32 at 8 warps spills 20-40 B, every
@@ -56,14 +63,37 @@ def _row_sum(p):
 
 @triton.jit
 def _online_update(m, l_sum, acc, sc, c):
-    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, R] into (m, l, acc); the
-    denominator sums the same 16-bit weights the values are multiplied by."""
+    """Fold a [BM, BN] tile of base-2 scores and its values c [BN, R] into (m, l, acc), online
+    (the plain kernel's arithmetic, `tree_attn_triton`); the denominator sums the same 16-bit
+    weights the values are multiplied by."""
     m_new = tl.maximum(m, tl.max(sc, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(sc - m_new[:, None]).to(c.dtype)
     l_sum = l_sum * alpha + _row_sum(p)
     acc = acc * alpha[:, None] + tl.dot(p, c)
     return m_new, l_sum, acc
+
+
+@triton.jit
+def _fold(m, l_sum, acc, m_t, l_t, o_t):
+    """(m, l, acc) folded with a tile's state (m_t, l_t, o_t): the larger max, each side scaled
+    to it, explicit FMAs (no contraction choice left to the compiler), so a program folding its
+    tiles and the split merge folding their partials get the same bits. Folding an empty state
+    (max -1e30, sum and values 0) changes nothing; folding into one gives the other exactly."""
+    m_new = tl.maximum(m, m_t)
+    a = tl.exp2(m - m_new)
+    b = tl.exp2(m_t - m_new)
+    return m_new, tl.fma(l_sum, a, l_t * b), tl.fma(acc, a[:, None], o_t * b[:, None])
+
+
+@triton.jit
+def _leaf_fold(m, l_sum, acc, sc, c):
+    """A [BM, BN] tile of base-2 scores with its values c [BN, R]: the tile's own softmax state
+    (its row max, the 16-bit weights' sum, their product with the values, from zero) folded into
+    (m, l, acc). The denominator sums the same 16-bit weights the values are multiplied by."""
+    m_t = tl.maximum(tl.max(sc, 1), -1.0e30)
+    p = tl.exp2(sc - m_t[:, None]).to(c.dtype)
+    return _fold(m, l_sum, acc, m_t, _row_sum(p), tl.dot(p, c))
 
 
 @triton.jit
@@ -83,7 +113,7 @@ def _key_tile(q, qp, c, kp, vis, m, l_sum, acc, scale_log2):
     (the same arithmetic where every key is visible)."""
     sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(vis, sc * scale_log2, float("-inf"))
-    return _online_update(m, l_sum, acc, sc, c)
+    return _leaf_fold(m, l_sum, acc, sc, c)
 
 
 @triton.jit
@@ -107,7 +137,7 @@ def _shared_key_tile(q, qp, kv_ptr, slot, row_ok, m, l_sum, acc, scale_log2, str
     kp = tl.load(row[:, None] + R + dp[None, :])
     sc = tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(kp))  # [BM, BN]
     sc = tl.where(row_ok[:, None], sc * scale_log2, float("-inf"))
-    return _online_update(m, l_sum, acc, sc, c)
+    return _leaf_fold(m, l_sum, acc, sc, c)
 
 
 @triton.jit
@@ -127,20 +157,29 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
 
 # One binary for every call: no value specialisation of the shape-dependent integers.
 @triton.jit
-def _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
-            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr):  # fmt: skip
+def _finish(out_ptr, po_ptr, plse_ptr, pl_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr,
+            LEAVES: tl.constexpr):  # fmt: skip
     """A split's result: the output itself when it is the only split (runtime branch, one
-    binary: the merge of a single split is the result itself), else its partial + lse."""
+    binary: the merge of a single split is the result itself); else, when the split is a whole
+    group (LEAVES 1), its normalised partial + lse, or, when it is one of the
+    group's LEAVES parts, its raw state (values, max, sum) for the merge to fold."""
     dr = tl.arange(0, R)
-    res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
     if nsplit == 1:
+        res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
         o_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + dr[None, :]
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
         prow = (t * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
-        tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
-        tl.store(plse_ptr + prow, lse, mask=row_ok)
+        if LEAVES == 1:  # as the merge normalises a group it folded from parts
+            res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
+            lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
+            tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
+            tl.store(plse_ptr + prow, lse, mask=row_ok)
+        else:
+            tl.store(po_ptr + prow[:, None] * R + dr[None, :], acc, mask=row_ok[:, None])
+            tl.store(plse_ptr + prow, m, mask=row_ok)
+            tl.store(pl_ptr + prow, l_sum, mask=row_ok)
 
 
 @triton.jit
@@ -224,18 +263,19 @@ def read_meta_in_blocks(q_starts_ptr, q_lens_ptr, nblocks, t):
 
 @triton.jit(do_not_specialize=["tiles", "nsplit", "stride_ps", "stride_mb", "stride_mq"])
 def _tree_attn_inv_kernel(
-    ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr,
+    ql_ptr, qr_ptr, kv_ptr, out_ptr, po_ptr, plse_ptr, pl_ptr,
     q_starts_ptr, q_lens_ptr, pslots_ptr, plens_ptr, bslots_ptr, mask_ptr,
     scale_log2, tiles, nsplit,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_ot, stride_oh,
     stride_ps, stride_mb, stride_mq,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr, ROW_LINES: tl.constexpr, LINE_PAD: tl.constexpr,
-    LINE_STEP: tl.constexpr, OFF64: tl.constexpr,
+    LINE_STEP: tl.constexpr, OFF64: tl.constexpr, LEAVES: tl.constexpr,
 ):  # fmt: skip
     """Program (row tile, split): whole BN tiles below the prefix length are shared by the tile's
     rows (`_shared_key_tile`); the tail tiles are done once per token with that token's keys
-    (`_key_tile`, the same arithmetic).
+    (`_key_tile`, the same arithmetic). SPLIT: the call's keys per program, a whole group, or one
+    tile of a group of LEAVES (its raw state then goes to the merge, `_finish`).
     ROW_LINES > 0 (PDL launches of verify calls): the first row tile's program of each split
     prefetches the split's prefix keys into L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
@@ -258,9 +298,12 @@ def _tree_attn_inv_kernel(
     if tile * BM >= qlen * H:  # no rows of this block in this tile
         return
     if s0 >= plen + qlen:  # the split starts past every row's keys: an empty partial
-        if nsplit > 1:
+        if nsplit > 1:  # an empty group: lse -inf; an empty part: max -1e30, sum 0
             prow = (t * H + head) * nsplit + split
-            tl.store(plse_ptr + prow, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
+            empty = float("-inf") if LEAVES == 1 else -1.0e30
+            tl.store(plse_ptr + prow, tl.full([BM], empty, tl.float32), mask=row_ok)
+            if LEAVES > 1:
+                tl.store(pl_ptr + prow, tl.zeros([BM], tl.float32), mask=row_ok)
         return
     dr = tl.arange(0, R)
     dp = tl.arange(0, P)
@@ -287,22 +330,25 @@ def _tree_attn_inv_kernel(
         mask_ptr, stride_mb, stride_mq, pslots_ptr, stride_ps, bslots_ptr, kv_ptr, stride_kv,
         scale_log2, R, P, BN,
     )  # fmt: skip
-    _finish(out_ptr, po_ptr, plse_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
-            stride_ot, stride_oh, H, R)  # fmt: skip
+    _finish(out_ptr, po_ptr, plse_ptr, pl_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
+            stride_ot, stride_oh, H, R, LEAVES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "nblocks"])
 def _combine_kernel(
-    po_ptr, plse_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh, NSPLIT,
-    H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, BS: tl.constexpr = 64,
+    po_ptr, plse_ptr, pl_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh,
+    NSPLIT, H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, LEAVES: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """Merge a row's split partials: m = the max of the log-sum-exps (exact in any order), then
-    acc and the denominator summed in split order with weights exp2(lse - m). Empty splits
-    (lse = -inf) weigh 0 and load nothing (their partial may be garbage), so trailing empty
-    splits, i.e. a larger NSPLIT, leave the bits unchanged; one split gives o exactly. No
-    branch in the loops: the partial loads are independent and pipeline. A row in no block
-    (q_starts / q_lens) has no partials written: it gets 0. The block metadata is read before the
-    wait (written before the forward's first layer)."""
+    """Merge a row's split partials into its output. A group (SPLIT keys) is a partial itself
+    (LEAVES 1: its normalised values and lse), or the fold of its LEAVES parts' raw states in
+    order (`_fold`'s arithmetic), normalised as the attention kernel normalises a group. The
+    groups are then merged: m = the max of their log-sum-exps (exact in any order), then the
+    values and the denominator summed in group order with weights exp2(lse - m). Empty groups
+    (lse -inf) and empty parts (sum 0) weigh 0 and load no values (theirs may be garbage), so
+    trailing empty splits, i.e. a larger NSPLIT, leave the bits unchanged; one group gives its
+    values exactly. A row in no block (q_starts / q_lens) has no partials written: it gets 0.
+    The block metadata is read before the wait (written before the forward's first layer)."""
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
@@ -313,29 +359,64 @@ def _combine_kernel(
         tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, tl.zeros([R], tl.float32).to(
             out_ptr.dtype.element_ty))  # fmt: skip
         return
+    base = row * NSPLIT
+    ngroups = tl.cdiv(NSPLIT, LEAVES)
     m = tl.full([], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, NSPLIT, BS):
-        ss = s0 + tl.arange(0, BS)
-        lses = tl.load(plse_ptr + row * NSPLIT + ss, mask=ss < NSPLIT, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lses, 0))
+    for g in range(0, ngroups):  # the groups' log-sum-exps: their max
+        lse, _ = _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R, LEAVES, False)
+        m = tl.maximum(m, lse)
     m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
     den = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([R], dtype=tl.float32)
-    for s in tl.range(0, NSPLIT, loop_unroll_factor=4):  # unrolled: loads run ahead
-        lse = tl.load(plse_ptr + row * NSPLIT + s)
-        live = lse > float("-inf")
-        o = tl.load(po_ptr + (row * NSPLIT + s) * R + dr, mask=dr < tl.where(live, R, 0), other=0.0)
-        w = tl.where(live, tl.exp2(lse - m), 0.0)
-        acc += o * w
+    for g in tl.range(0, ngroups, loop_unroll_factor=UNROLL):  # unrolled: loads run ahead
+        lse, o = _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R, LEAVES, True)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+        acc = tl.fma(o, w, acc)
         den += w
     res = acc / tl.maximum(den, 1.0e-30)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R: tl.constexpr,
+                 LEAVES: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
+    """Group g of a row's partials (at base = row * NSPLIT): (lse, normalised values [R], or 0
+    without VALUES). Values of an empty group or part are not loaded."""
+    dr = tl.arange(0, R)
+    o = tl.zeros([R], dtype=tl.float32)
+    if LEAVES == 1:
+        lse = tl.load(plse_ptr + base + g)
+        if VALUES:
+            live = lse > float("-inf")
+            o = tl.load(po_ptr + (base + g) * R + dr, mask=dr < tl.where(live, R, 0), other=0.0)
+    else:
+        gm = tl.full([], -1.0e30, dtype=tl.float32)
+        gl = tl.zeros([], dtype=tl.float32)
+        for i in tl.static_range(LEAVES):  # the group's parts, folded in order (`_fold`)
+            s = g * LEAVES + i
+            ok = s < NSPLIT
+            m_t = tl.load(plse_ptr + base + s, mask=ok, other=-1.0e30)
+            l_t = tl.load(pl_ptr + base + s, mask=ok, other=0.0)
+            m_new = tl.maximum(gm, m_t)
+            a = tl.exp2(gm - m_new)
+            b = tl.exp2(m_t - m_new)
+            gl = tl.fma(gl, a, l_t * b)
+            if VALUES:
+                live = l_t > 0
+                o_t = tl.load(po_ptr + (base + s) * R + dr, mask=dr < tl.where(live, R, 0),
+                              other=0.0)  # fmt: skip
+                o = tl.fma(o, a, o_t * b)
+            gm = m_new
+        if VALUES:
+            o = o / tl.maximum(gl, 1.0e-30)
+        lse = tl.where(gl > 0, gm + tl.log2(gl), float("-inf"))
+    return lse, o
+
+
 # The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256)
+INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PART=None)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
 # Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
@@ -351,6 +432,24 @@ LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SME
 # of 2k / 16k slots): 1 stream 81 / 585 programs, 2: 162 / 1170, 3: 243, 5: 405, 10: 810.
 SMALL_BM = 16
 SMALL_BM_PROGRAMS = 640
+# Keys per program (PART): a whole group (SPLIT keys, folded by its program), or one BN tile per
+# program (the merge folds a group's tiles in the same order with the same arithmetic, so the
+# bits are the same) for calls whose group grid has at most PART_PROGRAMS programs and whose
+# rows at most PART_GROUPS groups: small calls then spread their keys over SPLIT / BN times the
+# programs, while the merge's work (a row's parts, read one after another) stays short. On an
+# H200 (K2.6 rank slice, ~1.1k-token prefixes in 2k-slot tables, profile_step forward replays in
+# one lease) the AR forward at one stream went 5701 -> 5475 us, the others unchanged (ten
+# streams decoding 9072 -> 9079, verifying at one / ten 11222 -> 11150 / 30108 -> 30020). With
+# 64-key programs throughout, longer tables lost to the merge (one stream decoding over 8k keys
+# 42 vs 31 us per call) and bigger grids to the partials (ten streams verifying 116 vs 67 us).
+PART_PROGRAMS = 32
+PART_GROUPS = 9  # a 2k-slot table and the call's tokens
+
+
+def part_keys(programs: int, groups: int, bn: int, split: int) -> int:
+    """The call's keys per program from its group grid (`programs`) and the groups per row:
+    one tile for small grids of short rows, else the whole group."""
+    return bn if programs <= PART_PROGRAMS and groups <= PART_GROUPS else split
 
 
 def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
@@ -380,7 +479,8 @@ def tree_mla_attention_invariant(
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
     `config` overrides keys of the device's configuration (`device_config`; tests use small
     tiles); rows are only comparable between calls with the same BN, SPLIT, warps and stages.
-    Without a BM in `config`, `row_tile` picks it from the call's shapes."""
+    Without a BM in `config`, `row_tile` picks it from the call's shapes; without a PART (keys
+    per program: BN or SPLIT), `part_keys`."""
     t, h, r = q_latent.shape
     unknown = set(config or {}) - set(INVARIANT_CONFIG)
     if unknown:
@@ -392,15 +492,21 @@ def tree_mla_attention_invariant(
     if "BM" not in (config or {}):
         cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
     tiles = triton.cdiv(q_max * h, cfg["BM"])
+    part = cfg["PART"] or part_keys(nblocks * tiles * nsplit, nsplit, cfg["BN"], cfg["SPLIT"])
+    if part not in (cfg["BN"], cfg["SPLIT"]):
+        raise ValueError(f"invariant tree attention: PART {part} is neither BN nor SPLIT")
+    leaves = cfg["SPLIT"] // part  # programs per group
+    nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, part)
     if nsplit == 1 or t == 0 or nblocks == 0:
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
-        po = plse = out  # unused placeholders
+        po = plse = pl = out  # unused placeholders
     else:
         # the merge writes every row (0 in no block); every (row, split) of a block gets its
         # partial's lse from its program (-inf for an empty split), so no fill launch
         out = torch.empty_like(q_latent)
         po = torch.empty(t, h, nsplit, r, dtype=torch.float32, device=q_latent.device)
         plse = torch.empty(t, h, nsplit, dtype=torch.float32, device=out.device)
+        pl = plse if leaves == 1 else torch.empty_like(plse)  # the parts' sums
     if t == 0 or nblocks == 0:
         return out
     mask = meta.block_mask.view(torch.uint8)  # [B, Q_max, Q_max]
@@ -418,20 +524,20 @@ def tree_mla_attention_invariant(
     if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128)
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
-        q_latent, q_rope, kv_cache, out, po, plse,
+        q_latent, q_rope, kv_cache, out, po, plse, pl,
         meta.q_starts, meta.q_lens, pslots, meta.prefix_lens, meta.block_slots, mask,
         softmax_scale * math.log2(math.e), tiles, nsplit,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), out.stride(0), out.stride(1), pslots.stride(0), mask.stride(0),
         mask.stride(1),
-        H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=cfg["SPLIT"],
+        H=h, R=r, P=q_rope.shape[-1], BM=cfg["BM"], BN=cfg["BN"], SPLIT=part,
         ROW_LINES=lines, LINE_PAD=triton.next_power_of_2(max(lines, 1)), LINE_STEP=128 // esize,
-        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31,
+        OFF64=kv_cache.shape[0] * kv_cache.stride(0) >= 2**31, LEAVES=leaves,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if nsplit > 1:
         _combine_kernel[(t * h,)](
-            po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
-            nsplit, H=h, R=r, **launch,
+            po, plse, pl, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
+            nsplit, H=h, R=r, LEAVES=leaves, UNROLL=max(1, 4 // leaves), **launch,
         )  # fmt: skip
     return out

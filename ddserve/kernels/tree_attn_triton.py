@@ -185,8 +185,8 @@ def tree_mla_attention(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if nsplit > 1:
-        _combine_kernel[(t * h,)](
-            po, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
-            nsplit, H=h, R=r, PDL=False,
+        _combine_kernel[(t * h,)](  # each split a group of its own (normalised o, lse)
+            po, plse, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0),
+            out.stride(1), nsplit, H=h, R=r, PDL=False, LEAVES=1, UNROLL=4,
         )  # fmt: skip
     return out

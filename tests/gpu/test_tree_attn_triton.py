@@ -166,6 +166,29 @@ def test_invariant_rows_do_not_depend_on_the_row_tile_height(case):
     assert all(r["bad_rows"] == 0 for r in reps.values()), reps
 
 
+@pytest.mark.parametrize(
+    "case",
+    [([1000], [1]), ([1000], [17]), ([0, 1500, 5], [17, 1, 65]), ([8000] * 10, [1] * 10)],
+    ids=["decode", "one-tree", "mixed", "decode-10"],
+)
+def test_invariant_rows_do_not_depend_on_the_keys_per_program(case):
+    """Small calls give each program one key tile (the merge folds a group's tiles), others a
+    whole group of tiles: a row's bits must be the same either way."""
+    from ddserve.kernels.tree_attn_invariant import device_config
+    from ddserve.kernels.tree_attn_triton import tree_mla_attention
+
+    pls, qls = case
+    q_lat, q_pe, kv, meta = inputs(pls, qls, seed=len(pls) + sum(qls) + 1)
+    meta = meta.to("cuda")
+    cfg = device_config(q_lat.device)
+    outs = {part: tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, invariant=True,
+                                     config=dict(PART=part))
+            for part in (cfg["BN"], cfg["SPLIT"])}  # fmt: skip
+    outs["auto"] = tree_mla_attention(q_lat, q_pe, kv, meta, SCALE, invariant=True)
+    reps = {part: _diff_report(o, outs[cfg["SPLIT"]]) for part, o in outs.items()}
+    assert all(r["bad_rows"] == 0 for r in reps.values()), reps
+
+
 def test_invariant_mode_accurate_across_tiles_and_splits():
     """The invariant configuration: accurate, AR rows bitwise on trees and a causal chunk whose
     tail spans several splits."""

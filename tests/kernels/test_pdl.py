@@ -186,15 +186,16 @@ def test_tree_attention_ptx_reads_only_metadata_before_its_wait() -> None:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as e:
         pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
-    names = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "q_starts_ptr",
-             "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr", "mask_ptr")  # fmt: skip
-    types = ("*bf16",) * 4 + ("*fp32",) * 2 + ("*i64",) * 5 + ("*u8",)
+    names = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "pl_ptr",
+             "q_starts_ptr", "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr",
+             "mask_ptr")  # fmt: skip
+    types = ("*bf16",) * 4 + ("*fp32",) * 3 + ("*i64",) * 5 + ("*u8",)
     sig = dict(zip(names, types, strict=True), scale_log2="fp32")
     ints = ("tiles", "nsplit", "stride_qt", "stride_qh", "stride_rt", "stride_rh", "stride_kv",
             "stride_ot", "stride_oh", "stride_ps", "stride_mb", "stride_mq")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
     consts = dict(H=8, R=512, P=64, BM=16, BN=64, SPLIT=256, PDL=True, ROW_LINES=9, LINE_PAD=16)
-    consts.update(LINE_STEP=64, OFF64=False)
+    consts.update(LINE_STEP=64, OFF64=False, LEAVES=1)
     sig.update(dict.fromkeys(consts, "constexpr"))
     kernel = ta._tree_attn_inv_kernel
     divisible = [*names, *(n for n in ints if n not in kernel.do_not_specialize)]

@@ -209,6 +209,14 @@ def check_rows_do_not_depend_on_the_row_tile_height():
         assert torch.equal(_attn(q, qp, kv, meta, dict(SMALL, BM=bm)), out), bm
 
 
+def check_rows_do_not_depend_on_the_keys_per_program():
+    import torch
+
+    q, qp, kv, meta, *_, out = _mixed()
+    for part in (SMALL["BN"], SMALL["SPLIT"]):  # a tile per program; a group per program
+        assert torch.equal(_attn(q, qp, kv, meta, dict(SMALL, PART=part)), out), part
+
+
 CASES = (
     [("invariant_mode_matches_the_reference", check_invariant_mode_matches_the_reference, ()),
      ("default_mode_matches_the_reference", check_default_mode_matches_the_reference, ())]
@@ -219,7 +227,9 @@ CASES = (
     + [(f"tree_rows_equal_ar_rows[{c}]", check_tree_rows_equal_ar_rows, (c,)) for c in AR_CASES]
     + [("rows_do_not_depend_on_the_batch", check_rows_do_not_depend_on_the_batch, ()),
        ("rows_do_not_depend_on_the_row_tile_height",
-        check_rows_do_not_depend_on_the_row_tile_height, ())]
+        check_rows_do_not_depend_on_the_row_tile_height, ()),
+       ("rows_do_not_depend_on_the_keys_per_program",
+        check_rows_do_not_depend_on_the_keys_per_program, ())]
 )  # fmt: skip
 
 
@@ -261,3 +271,14 @@ def test_row_tile_is_small_for_decode_and_small_grids():
     assert row_tile(nblocks=1, q_max=17, heads=8, nsplit=65, bm=32) == 16  # 16k slots
     assert row_tile(nblocks=2, q_max=17, heads=8, nsplit=65, bm=32) == 32
     assert row_tile(nblocks=1, q_max=1, heads=8, nsplit=9, bm=16) == 16
+
+
+def test_small_grids_take_a_tile_per_program():
+    """`part_keys`: one key tile per program while the group grid is small and its rows short,
+    else a group."""
+    from ddserve.kernels.tree_attn_invariant import PART_GROUPS, PART_PROGRAMS, part_keys
+
+    assert part_keys(9, 9, 64, 256) == 64  # one stream decoding, 2k prefix slots
+    assert part_keys(PART_PROGRAMS, PART_GROUPS, 64, 256) == 64
+    assert part_keys(PART_PROGRAMS + 1, 9, 64, 256) == 256  # e.g. ten streams decoding
+    assert part_keys(17, PART_GROUPS + 8, 64, 256) == 256  # one stream, 4k prefix slots
