@@ -155,7 +155,8 @@ def _path_index(mask_ptr, row_off, rank, qlen, BN: tl.constexpr):
     return idx
 
 
-# One binary for every call: no value specialisation of the shape-dependent integers.
+# No value specialisation of the shape-dependent integers: one binary per device and keys per
+# program (a group, or a tile: LEAVES), whose tile arithmetic is the same code.
 @triton.jit
 def _finish(out_ptr, po_ptr, plse_ptr, pl_ptr, t, head, row_ok, m, l_sum, acc, split, nsplit,
             stride_ot, stride_oh, H: tl.constexpr, R: tl.constexpr,
@@ -338,7 +339,7 @@ def _tree_attn_inv_kernel(
 def _combine_kernel(
     po_ptr, plse_ptr, pl_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh,
     NSPLIT, H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, LEAVES: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, BS: tl.constexpr = 64,
 ):  # fmt: skip
     """Merge a row's split partials into its output. A group (SPLIT keys) is a partial itself
     (LEAVES 1: its normalised values and lse), or the fold of its LEAVES parts' raw states in
@@ -362,9 +363,15 @@ def _combine_kernel(
     base = row * NSPLIT
     ngroups = tl.cdiv(NSPLIT, LEAVES)
     m = tl.full([], float("-inf"), dtype=tl.float32)
-    for g in range(0, ngroups):  # the groups' log-sum-exps: their max
-        lse, _ = _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R, LEAVES, False)
-        m = tl.maximum(m, lse)
+    if LEAVES == 1:  # the groups' log-sum-exps, BS at a time: their max (exact in any order)
+        for s0 in range(0, NSPLIT, BS):
+            ss = s0 + tl.arange(0, BS)
+            lses = tl.load(plse_ptr + base + ss, mask=ss < NSPLIT, other=float("-inf"))
+            m = tl.maximum(m, tl.max(lses, 0))
+    else:  # each group's lse from its parts (a few groups: small calls only)
+        for g in range(0, ngroups):
+            lse, _ = _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R, LEAVES, False)
+            m = tl.maximum(m, lse)
     m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
     den = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([R], dtype=tl.float32)
@@ -413,7 +420,7 @@ def _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R: tl.constexpr,
     return lse, o
 
 
-# The one configuration of a device (SPLIT: keys per split, a multiple of BN): a row's arithmetic
+# The one configuration of a device (SPLIT: keys per group, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
 INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PART=None)
@@ -492,7 +499,9 @@ def tree_mla_attention_invariant(
     if "BM" not in (config or {}):
         cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
     tiles = triton.cdiv(q_max * h, cfg["BM"])
-    part = cfg["PART"] or part_keys(nblocks * tiles * nsplit, nsplit, cfg["BN"], cfg["SPLIT"])
+    part = cfg["PART"]
+    if part is None:
+        part = part_keys(nblocks * tiles * nsplit, nsplit, cfg["BN"], cfg["SPLIT"])
     if part not in (cfg["BN"], cfg["SPLIT"]):
         raise ValueError(f"invariant tree attention: PART {part} is neither BN nor SPLIT")
     leaves = cfg["SPLIT"] // part  # programs per group
@@ -502,7 +511,8 @@ def tree_mla_attention_invariant(
         po = plse = pl = out  # unused placeholders
     else:
         # the merge writes every row (0 in no block); every (row, split) of a block gets its
-        # partial's lse from its program (-inf for an empty split), so no fill launch
+        # partial's lse (a group: -inf when empty) or max and sum (a tile: -1e30 and 0 when
+        # empty) from its program, so no fill launch
         out = torch.empty_like(q_latent)
         po = torch.empty(t, h, nsplit, r, dtype=torch.float32, device=q_latent.device)
         plse = torch.empty(t, h, nsplit, dtype=torch.float32, device=out.device)

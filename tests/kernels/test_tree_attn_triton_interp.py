@@ -153,8 +153,8 @@ def check_default_mode_matches_the_reference():
 def check_rows_in_no_block_are_zero(case: str):
     """0 in the rows of tokens in no block: written by the split merge ("splits": the mixed
     batch, 4 splits), or the output's fill where the kernel writes the rows itself ("one_split":
-    blocks 0 and 1 of the mixed batch, 25 and 4 keys, a gap between them and a tail; their rows
-    are those of the mixed batch)."""
+    blocks 0 and 1 of the mixed batch, 25 and 4 keys, a gap between them and a tail, a group per
+    program; their rows are those of the mixed batch)."""
     import torch
     from _tree_inputs import select_blocks
 
@@ -163,7 +163,7 @@ def check_rows_in_no_block_are_zero(case: str):
         sub, idx = select_blocks(meta, [0, 1])
         full = out[rows][idx]  # [T0, H, R] the two blocks' rows in the mixed batch
         q, qp, padded, rows = _with_rows_in_no_block(q[rows][idx], qp[rows][idx], sub, 1, GAP, TAIL)
-        out = _attn(q, qp, kv, padded)
+        out = _attn(q, qp, kv, padded, dict(SMALL, PART=SMALL["SPLIT"]))  # one split: no merge
         assert torch.equal(out[rows], full)
     outside = torch.ones(len(q), dtype=torch.bool)
     outside[rows] = False
@@ -172,14 +172,16 @@ def check_rows_in_no_block_are_zero(case: str):
 
 def check_every_partial_the_merge_reads_is_written():
     """The mixed batch with its output and partials allocated holding 1e4 instead of NaN: the
-    same bits. A split past a block's keys must write its -inf lse: an unwritten one reads as a
-    live split of weight 1 here (as NaN it would pass for an empty one)."""
+    same bits, with a group or a tile per program. A split past a block's keys must write its
+    -inf lse (a group) or its -1e30 max and 0 sum (a tile): an unwritten one reads as a live
+    split here (as NaN it would pass for an empty one)."""
     import torch
 
     q, qp, kv, meta, *_, out = _mixed()
-    with _floats_from_empty_filled_with(1.0e4):
-        again = _attn(q, qp, kv, meta)
-    assert torch.equal(again, out)
+    for part in (SMALL["BN"], SMALL["SPLIT"]):
+        with _floats_from_empty_filled_with(1.0e4):
+            again = _attn(q, qp, kv, meta, dict(SMALL, PART=part))
+        assert torch.equal(again, out), part
 
 
 def check_tree_rows_equal_ar_rows(case: str):
