@@ -80,10 +80,21 @@ def _fold(m, l_sum, acc, m_t, l_t, o_t):
     to it, explicit FMAs (no contraction choice left to the compiler), so a program folding its
     tiles and the split merge folding their partials get the same bits. Folding an empty state
     (max -1e30, sum and values 0) changes nothing; folding into one gives the other exactly."""
-    m_new = tl.maximum(m, m_t)
-    a = tl.exp2(m - m_new)
-    b = tl.exp2(m_t - m_new)
+    m_new, a, b = _fold_scales(m, m_t)
     return m_new, tl.fma(l_sum, a, l_t * b), tl.fma(acc, a[:, None], o_t * b[:, None])
+
+
+@triton.jit
+def _fold_scales(m, m_t):
+    """A fold's larger max and the scales of its two sides (`_fold`; the merge's, per row)."""
+    m_new = tl.maximum(m, m_t)
+    return m_new, tl.exp2(m - m_new), tl.exp2(m_t - m_new)
+
+
+@triton.jit
+def _lse(m, l_sum):
+    """A group's log-sum-exp from its max and sum: -inf when it saw no key."""
+    return tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
 
 
 @triton.jit
@@ -174,7 +185,7 @@ def _finish(out_ptr, po_ptr, plse_ptr, pl_ptr, t, head, row_ok, m, l_sum, acc, s
         prow = (t * H + head) * nsplit + split  # partials [T, H, nsplit, (R)]
         if LEAVES == 1:  # as the merge normalises a group it folded from parts
             res = acc / tl.maximum(l_sum, 1.0e-30)[:, None]
-            lse = tl.where(l_sum > 0, m + tl.log2(l_sum), float("-inf"))
+            lse = _lse(m, l_sum)
             tl.store(po_ptr + prow[:, None] * R + dr[None, :], res, mask=row_ok[:, None])
             tl.store(plse_ptr + prow, lse, mask=row_ok)
         else:
@@ -404,9 +415,7 @@ def _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R: tl.constexpr,
             ok = s < NSPLIT
             m_t = tl.load(plse_ptr + base + s, mask=ok, other=-1.0e30)
             l_t = tl.load(pl_ptr + base + s, mask=ok, other=0.0)
-            m_new = tl.maximum(gm, m_t)
-            a = tl.exp2(gm - m_new)
-            b = tl.exp2(m_t - m_new)
+            m_new, a, b = _fold_scales(gm, m_t)
             gl = tl.fma(gl, a, l_t * b)
             if VALUES:
                 live = l_t > 0
@@ -416,7 +425,7 @@ def _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R: tl.constexpr,
             gm = m_new
         if VALUES:
             o = o / tl.maximum(gl, 1.0e-30)
-        lse = tl.where(gl > 0, gm + tl.log2(gl), float("-inf"))
+        lse = _lse(gm, gl)
     return lse, o
 
 
@@ -495,17 +504,17 @@ def tree_mla_attention_invariant(
     cfg = {**device_config(q_latent.device), **(config or {})}
     assert cfg["SPLIT"] % cfg["BN"] == 0
     nblocks, q_max = meta.block_mask.shape[0], meta.block_mask.shape[1]
-    nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, cfg["SPLIT"])  # host shapes only
+    groups = triton.cdiv(meta.prefix_slots.shape[1] + q_max, cfg["SPLIT"])  # host shapes only
     if "BM" not in (config or {}):
-        cfg["BM"] = row_tile(nblocks, q_max, h, nsplit, cfg["BM"])
+        cfg["BM"] = row_tile(nblocks, q_max, h, groups, cfg["BM"])
     tiles = triton.cdiv(q_max * h, cfg["BM"])
     part = cfg["PART"]
     if part is None:
-        part = part_keys(nblocks * tiles * nsplit, nsplit, cfg["BN"], cfg["SPLIT"])
+        part = part_keys(nblocks * tiles * groups, groups, cfg["BN"], cfg["SPLIT"])
     if part not in (cfg["BN"], cfg["SPLIT"]):
         raise ValueError(f"invariant tree attention: PART {part} is neither BN nor SPLIT")
     leaves = cfg["SPLIT"] // part  # programs per group
-    nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, part)
+    nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, part)  # programs per row tile
     if nsplit == 1 or t == 0 or nblocks == 0:
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
         po = plse = pl = out  # unused placeholders
