@@ -12,7 +12,8 @@ AR decode row of the same token bit for bit, whatever else is batched.
 The arithmetic of a row: each BN-key tile gives its own softmax state (its max, the sum of its
 16-bit weights, their product with the values; `_leaf_fold`); the tiles of a group (SPLIT keys,
 at multiples of SPLIT) are folded in position order from the empty state (`_fold`: explicit
-FMAs); the groups are merged in group order by `_combine_kernel` (weights exp2(lse - max lse)).
+FMAs); the groups are merged by `_combine_kernel` (weights exp2(lse - max lse); the weighted
+values summed MERGE_GROUPS groups at a time by a fixed pairwise tree, those sums in group order).
 Who folds a group's tiles is a per-call choice that leaves the bits alone (`part_keys`): its
 program (one program per group) or, for small calls, the merge (one program per tile, each
 writing its raw state), so small calls use SPLIT / BN times the programs. When the host shapes
@@ -350,17 +351,23 @@ def _tree_attn_inv_kernel(
 def _combine_kernel(
     po_ptr, plse_ptr, pl_ptr, out_ptr, q_starts_ptr, q_lens_ptr, nblocks, stride_ot, stride_oh,
     NSPLIT, H: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr, LEAVES: tl.constexpr,
-    UNROLL: tl.constexpr, BS: tl.constexpr = 64,
+    GB: tl.constexpr, BS: tl.constexpr = 64,
 ):  # fmt: skip
     """Merge a row's split partials into its output. A group (SPLIT keys) is a partial itself
     (LEAVES 1: its normalised values and lse), or the fold of its LEAVES parts' raw states in
-    order (`_fold`'s arithmetic), normalised as the attention kernel normalises a group. The
-    groups are then merged: m = the max of their log-sum-exps (exact in any order), then the
-    values and the denominator summed in group order with weights exp2(lse - m). Empty groups
-    (lse -inf) and empty parts (sum 0) weigh 0 and load no values (theirs may be garbage), so
-    trailing empty splits, i.e. a larger NSPLIT, leave the bits unchanged; one group gives its
-    values exactly. A row in no block (q_starts / q_lens) has no partials written: it gets 0.
-    The block metadata is read before the wait (written before the forward's first layer)."""
+    order (`_fold`'s arithmetic), normalised as the attention kernel normalises a group
+    (`_groups`). The groups are then merged: m = the max of their log-sum-exps (exact in any
+    order); weights w = exp2(lse - m); the values times their weights, and the weights, summed
+    GB groups at a time by a fixed pairwise tree (`_tree_sum`: group i + group i + GB / 2, ...;
+    single additions, so the bits do not depend on the layout), the GB-group sums added in
+    group order. Only groups up to the row's last with keys take part (a row's keys are a
+    prefix of its positions), so NSPLIT, the table's width, does not change the bits; empty
+    groups (lse -inf) and empty parts (sum 0) weigh 0 and contribute no values (theirs may be
+    garbage); one group gives its values exactly (o * 1 + 0 ..., then / 1). A row in no block
+    (q_starts / q_lens) has no partials written: it gets 0. The block metadata is read before
+    the wait (written before the forward's first layer).
+    Every load of GB groups is one tensor load per part of a group, issued before any of them is
+    used, so the merge's memory round trips grow with the row's groups / GB, not its parts."""
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
@@ -374,65 +381,82 @@ def _combine_kernel(
     base = row * NSPLIT
     ngroups = tl.cdiv(NSPLIT, LEAVES)
     m = tl.full([], float("-inf"), dtype=tl.float32)
-    if LEAVES == 1:  # the groups' log-sum-exps, BS at a time: their max (exact in any order)
-        for s0 in range(0, NSPLIT, BS):
-            ss = s0 + tl.arange(0, BS)
-            lses = tl.load(plse_ptr + base + ss, mask=ss < NSPLIT, other=float("-inf"))
-            m = tl.maximum(m, tl.max(lses, 0))
-    else:  # each group's lse from its parts (a few groups: small calls only)
-        for g in range(0, ngroups):
-            lse, _ = _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R, LEAVES, False)
-            m = tl.maximum(m, lse)
+    last = tl.full([], -1, dtype=tl.int32)  # the row's last group with keys
+    for g0 in range(0, ngroups, BS):  # the groups' log-sum-exps: their max (exact in any order)
+        gs = g0 + tl.arange(0, BS)
+        lse, _ = _groups(po_ptr, plse_ptr, pl_ptr, base, gs, ngroups - 1, NSPLIT, R, LEAVES,
+                         False)  # fmt: skip
+        m = tl.maximum(m, tl.max(lse, 0))
+        last = tl.maximum(last, tl.max(tl.where(lse > float("-inf"), gs, -1), 0))
     m = tl.where(m > float("-inf"), m, 0.0)  # a row with no keys at all: every weight 0
     den = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([R], dtype=tl.float32)
-    for g in tl.range(0, ngroups, loop_unroll_factor=UNROLL):  # unrolled: loads run ahead
-        lse, o = _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R, LEAVES, True)
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
-        acc = tl.fma(o, w, acc)
-        den += w
+    for g0 in range(0, last + 1, GB):
+        gs = g0 + tl.arange(0, GB)
+        lse, o = _groups(po_ptr, plse_ptr, pl_ptr, base, gs, last, NSPLIT, R, LEAVES, True)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)  # [GB]
+        acc += _tree_sum(o * w[:, None], GB)
+        den += tl.sum(_tree_sum(w[:, None], GB), 0)  # [1] -> scalar
     res = acc / tl.maximum(den, 1.0e-30)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _merge_group(po_ptr, plse_ptr, pl_ptr, base, g, NSPLIT, R: tl.constexpr,
-                 LEAVES: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
-    """Group g of a row's partials (at base = row * NSPLIT): (lse, normalised values [R], or 0
-    without VALUES). Values of an empty group or part are not loaded."""
+def _groups(po_ptr, plse_ptr, pl_ptr, base, g, last, NSPLIT, R: tl.constexpr,
+            LEAVES: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
+    """Groups g (a vector, none past `last`) of a row's partials (at base = row * NSPLIT):
+    their lses [G] and, with VALUES, normalised values [G, R] (else 0). A group's own (LEAVES
+    1), or the fold of its parts' states in order (`_fold`'s arithmetic, group by group).
+    Groups past `last`: lse -inf, values 0. Values are loaded without waiting for the lse or
+    sum that selects them: an empty group's or part's (within the partials' buffer, possibly
+    garbage) are replaced by 0."""
     dr = tl.arange(0, R)
-    o = tl.zeros([R], dtype=tl.float32)
+    in_row = g <= last
     if LEAVES == 1:
-        lse = tl.load(plse_ptr + base + g)
+        lse = tl.load(plse_ptr + base + g, mask=in_row, other=float("-inf"))
+        o = tl.zeros([g.shape[0], R], dtype=tl.float32)
         if VALUES:
-            live = lse > float("-inf")
-            o = tl.load(po_ptr + (base + g) * R + dr, mask=dr < tl.where(live, R, 0), other=0.0)
+            o = tl.load(po_ptr + (base + g)[:, None] * R + dr[None, :], mask=in_row[:, None],
+                        other=0.0)  # fmt: skip
+            o = tl.where((lse > float("-inf"))[:, None], o, 0.0)
     else:
-        gm = tl.full([], -1.0e30, dtype=tl.float32)
-        gl = tl.zeros([], dtype=tl.float32)
-        for i in tl.static_range(LEAVES):  # the group's parts, folded in order (`_fold`)
+        gm = tl.full(g.shape, -1.0e30, dtype=tl.float32)
+        gl = tl.zeros(g.shape, dtype=tl.float32)
+        o = tl.zeros([g.shape[0], R], dtype=tl.float32)
+        for i in tl.static_range(LEAVES):
             s = g * LEAVES + i
-            ok = s < NSPLIT
+            ok = in_row & (s < NSPLIT)
             m_t = tl.load(plse_ptr + base + s, mask=ok, other=-1.0e30)
             l_t = tl.load(pl_ptr + base + s, mask=ok, other=0.0)
-            m_new, a, b = _fold_scales(gm, m_t)
+            gm, a, b = _fold_scales(gm, m_t)
             gl = tl.fma(gl, a, l_t * b)
             if VALUES:
-                live = l_t > 0
-                o_t = tl.load(po_ptr + (base + s) * R + dr, mask=dr < tl.where(live, R, 0),
+                o_t = tl.load(po_ptr + (base + s)[:, None] * R + dr[None, :], mask=ok[:, None],
                               other=0.0)  # fmt: skip
-                o = tl.fma(o, a, o_t * b)
-            gm = m_new
+                o_t = tl.where((l_t > 0)[:, None], o_t, 0.0)
+                o = tl.fma(o, a[:, None], o_t * b[:, None])
         if VALUES:
-            o = o / tl.maximum(gl, 1.0e-30)
+            o = o / tl.maximum(gl, 1.0e-30)[:, None]
         lse = _lse(gm, gl)
     return lse, o
+
+
+@triton.jit
+def _tree_sum(v, N: tl.constexpr):
+    """The rows of v [N, C] (N a power of two) summed by a fixed pairwise tree: row i + row
+    i + n / 2 at each halving. Each step adds two values (commutative, exact in either order),
+    so the result does not depend on the layout that holds v."""
+    for k in tl.static_range(N.bit_length() - 1):
+        v = tl.sum(tl.reshape(v, (2, N >> (k + 1), v.shape[1])), axis=0)
+    return tl.reshape(v, (v.shape[1],))
 
 
 # The one configuration of a device (SPLIT: keys per group, a multiple of BN): a row's arithmetic
 # then depends on nothing but its query and its keys. 64-key tiles in 3 stages need ~164 KiB of
 # shared memory per program (H100 / H200); devices with less (A100: 163 KiB) take 32-key tiles.
-INVARIANT_CONFIG = dict(BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PART=None)
+INVARIANT_CONFIG = dict(
+    BM=32, BN=32, num_warps=8, num_stages=2, SPLIT=256, PART=None, MERGE_GROUPS=None
+)
 LARGE_SMEM_CONFIG = dict(INVARIANT_CONFIG, BN=64, num_stages=3)
 LARGE_SMEM_BYTES = 168 * 1024  # shared memory per block (opt-in) that LARGE_SMEM_CONFIG takes
 # Row tiles of SMALL_BM rows (a row's bits do not depend on BM: `_row_sum`, and every other step
@@ -450,22 +474,27 @@ SMALL_BM = 16
 SMALL_BM_PROGRAMS = 640
 # Keys per program (PART): a whole group (SPLIT keys, folded by its program), or one BN tile per
 # program (the merge folds a group's tiles in the same order with the same arithmetic, so the
-# bits are the same) for calls whose group grid has at most PART_PROGRAMS programs and whose
-# rows at most PART_GROUPS groups: small calls then spread their keys over SPLIT / BN times the
-# programs, while the merge's work (a row's parts, read one after another) stays short. On an
-# H200 (K2.6 rank slice, ~1.1k-token prefixes in 2k-slot tables, profile_step forward replays in
-# one lease) the AR forward at one stream went 5701 -> 5475 us, the others unchanged (ten
-# streams decoding 9072 -> 9079, verifying at one / ten 11222 -> 11150 / 30108 -> 30020). With
-# 64-key programs throughout, longer tables lost to the merge (one stream decoding over 8k keys
-# 42 vs 31 us per call) and bigger grids to the partials (ten streams verifying 116 vs 67 us).
-PART_PROGRAMS = 32
-PART_GROUPS = 9  # a 2k-slot table and the call's tokens
+# bits are the same) for decode calls (one token per block) whose group grid has at most
+# PART_PROGRAMS programs: those calls then spread their keys over SPLIT / BN times the
+# programs. On an H200 (64-key tiles, 256-key groups, tables padded to a power of two as the
+# engine's graphs pad them; bench/results/step/tree_attn_merge_h200_2026-12-03.json), us per
+# decode call, a tile / a group per program, by group grid: one stream over 1k / 4k / 8k keys (9
+# / 33 / 65 programs) 17.1 / 22.7, 20.7 / 24.8, 26.8 / 28.2; four over 2k (68) 20.4 / 25.0; six
+# over 1k (54) 18.1 / 24.1; against ten over 1k (90) 26.1 / 25.1, six over 2k (102) 27.4 / 26.2,
+# two over 8k (130) 35.2 / 30.4. Verify calls lose with tiles at every grid measured (one
+# stream's 17-token tree over 1k keys, 81 programs: 29.3 / 23.3 us; with 45 programs in the
+# profiler's forward, whose table is narrower, 2.9 us more per layer).
+PART_PROGRAMS = 72
+# Groups the merge sums per run by its pairwise tree (part of a row's arithmetic: the default of
+# every call). 4 against 8 and 16: one stream decoding over 8k keys with a tile per program 26.8
+# / 29.2 / 36.6 us; with a group per program the same within 0.6 us.
+MERGE_GROUPS = 4
 
 
-def part_keys(programs: int, groups: int, bn: int, split: int) -> int:
-    """The call's keys per program from its group grid (`programs`) and the groups per row:
-    one tile for small grids of short rows, else the whole group."""
-    return bn if programs <= PART_PROGRAMS and groups <= PART_GROUPS else split
+def part_keys(programs: int, q_max: int, bn: int, split: int) -> int:
+    """The call's keys per program from its group grid (`programs`) and tokens per block: one
+    tile for decode calls with small grids, else the whole group."""
+    return bn if q_max == 1 and programs <= PART_PROGRAMS else split
 
 
 def row_tile(nblocks: int, q_max: int, heads: int, nsplit: int, bm: int) -> int:
@@ -494,7 +523,8 @@ def tree_mla_attention_invariant(
 ) -> torch.Tensor:  # [T, H, R]
     """`tree_mla_attention_ref`'s contract, canonical per-row arithmetic (module docstring).
     `config` overrides keys of the device's configuration (`device_config`; tests use small
-    tiles); rows are only comparable between calls with the same BN, SPLIT, warps and stages.
+    tiles); rows are only comparable between calls with the same BN, SPLIT, MERGE_GROUPS, warps
+    and stages.
     Without a BM in `config`, `row_tile` picks it from the call's shapes; without a PART (keys
     per program: BN or SPLIT), `part_keys`."""
     t, h, r = q_latent.shape
@@ -510,7 +540,7 @@ def tree_mla_attention_invariant(
     tiles = triton.cdiv(q_max * h, cfg["BM"])
     part = cfg["PART"]
     if part is None:
-        part = part_keys(nblocks * tiles * groups, groups, cfg["BN"], cfg["SPLIT"])
+        part = part_keys(nblocks * tiles * groups, q_max, cfg["BN"], cfg["SPLIT"])
     if part not in (cfg["BN"], cfg["SPLIT"]):
         raise ValueError(f"invariant tree attention: PART {part} is neither BN nor SPLIT")
     leaves = cfg["SPLIT"] // part  # programs per group
@@ -557,6 +587,6 @@ def tree_mla_attention_invariant(
     if nsplit > 1:
         _combine_kernel[(t * h,)](
             po, plse, pl, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
-            nsplit, H=h, R=r, LEAVES=leaves, UNROLL=max(1, 4 // leaves), **launch,
+            nsplit, H=h, R=r, LEAVES=leaves, GB=cfg["MERGE_GROUPS"] or MERGE_GROUPS, **launch,
         )  # fmt: skip
     return out

@@ -30,6 +30,7 @@ import triton.language as tl
 from ddserve.kernels.tree_attn import TreeAttnMeta
 from ddserve.kernels.tree_attn_invariant import (
     INVARIANT_CONFIG,
+    MERGE_GROUPS,
     _combine_kernel,
     _online_update,
     tree_mla_attention_invariant,
@@ -187,6 +188,6 @@ def tree_mla_attention(
     if nsplit > 1:
         _combine_kernel[(t * h,)](  # each split a group of its own (normalised o, lse)
             po, plse, plse, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0),
-            out.stride(1), nsplit, H=h, R=r, PDL=False, LEAVES=1, UNROLL=4,
+            out.stride(1), nsplit, H=h, R=r, PDL=False, LEAVES=1, GB=MERGE_GROUPS,
         )  # fmt: skip
     return out

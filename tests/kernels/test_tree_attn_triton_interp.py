@@ -212,11 +212,16 @@ def check_rows_do_not_depend_on_the_row_tile_height():
 
 
 def check_rows_do_not_depend_on_the_keys_per_program():
+    """A tile or a group per program: the same bits, with the merge's tree over 4 groups (the
+    default: one run per row here) and over 2 (runs of 2 added in order; rows of 1-4 groups)."""
     import torch
 
     q, qp, kv, meta, *_, out = _mixed()
-    for part in (SMALL["BN"], SMALL["SPLIT"]):  # a tile per program; a group per program
-        assert torch.equal(_attn(q, qp, kv, meta, dict(SMALL, PART=part)), out), part
+    for gb in (4, 2):
+        ref = out if gb == 4 else _attn(q, qp, kv, meta, dict(SMALL, MERGE_GROUPS=gb))
+        for part in (SMALL["BN"], SMALL["SPLIT"]):  # a tile per program; a group per program
+            cfg = dict(SMALL, PART=part, MERGE_GROUPS=gb)
+            assert torch.equal(_attn(q, qp, kv, meta, cfg), ref), (part, gb)
 
 
 CASES = (
@@ -275,12 +280,13 @@ def test_row_tile_is_small_for_decode_and_small_grids():
     assert row_tile(nblocks=1, q_max=1, heads=8, nsplit=9, bm=16) == 16
 
 
-def test_small_grids_take_a_tile_per_program():
-    """`part_keys`: one key tile per program while the group grid is small and its rows short,
-    else a group."""
-    from ddserve.kernels.tree_attn_invariant import PART_GROUPS, PART_PROGRAMS, part_keys
+def test_small_decode_grids_take_a_tile_per_program():
+    """`part_keys`: one key tile per program for decode calls while the group grid is small,
+    else a group; verify calls always a group."""
+    from ddserve.kernels.tree_attn_invariant import PART_PROGRAMS, part_keys
 
-    assert part_keys(9, 9, 64, 256) == 64  # one stream decoding, 2k prefix slots
-    assert part_keys(PART_PROGRAMS, PART_GROUPS, 64, 256) == 64
-    assert part_keys(PART_PROGRAMS + 1, 9, 64, 256) == 256  # e.g. ten streams decoding
-    assert part_keys(17, PART_GROUPS + 8, 64, 256) == 256  # one stream, 4k prefix slots
+    assert part_keys(9, 1, 64, 256) == 64  # one stream decoding, 2k prefix slots
+    assert part_keys(65, 1, 64, 256) == 64  # one stream decoding, 16k prefix slots
+    assert part_keys(PART_PROGRAMS, 1, 64, 256) == 64
+    assert part_keys(90, 1, 64, 256) == 256  # ten streams decoding, 2k prefix slots
+    assert part_keys(45, 17, 64, 256) == 256  # one stream verifying a 17-token tree, 1k slots
