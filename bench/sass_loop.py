@@ -3,6 +3,7 @@
     python bench/sass_loop.py                           # the MoE up GEMM at one token (BM 8)
     python bench/sass_loop.py --kernel down --set BM=16 --set DEPTH=2 --out loop.json
     python bench/sass_loop.py --kernel tree --set BM=32      # tree attention: its loops
+    python bench/sass_loop.py --kernel merge                 # tree attention's split merge
 
 Compiles a W4A16 MoE kernel (`moe_gluon._w4_up_silu_kernel` or `_w4_gemm_kernel` as the down
 projection) for sm_90 with Triton's bundled ptxas, integer arguments specialised for 16-byte
@@ -19,6 +20,10 @@ per scheduler.
 widths, 64-key tiles, 3 stages, 8 warps, decode's 16-row tiles unless --set BM=32) and reports
 its size and every loop (instructions and most frequent opcodes): the 64-key shared-tile loop,
 the tail tiles' loops, the mask loop; what comes before the first loop is the prologue.
+`--kernel merge` compiles tree attention's split merge (`_combine_kernel`, K2.6 widths, a tile per
+program: LEAVES 4, MERGE_GROUPS groups a run, 4 warps) and reports its main loop (a run of
+groups) like the MoE kernels', plus how many of the loop's loads are issued before the first
+loaded value is read (the merge's memory round trips per run).
 """
 
 from __future__ import annotations
@@ -61,11 +66,25 @@ def _tree_kernel():
     return tree_attn_invariant._tree_attn_inv_kernel, sig, ints, consts
 
 
+MERGE_PTRS = ("po_ptr", "plse_ptr", "pl_ptr", "out_ptr", "q_starts_ptr", "q_lens_ptr")
+
+
+def _merge_kernel():
+    from ddserve.kernels import tree_attn_invariant
+
+    sig = dict(zip(MERGE_PTRS, ("*fp32",) * 3 + ("*bf16",) + ("*i64",) * 2, strict=True))
+    ints = ("nblocks", "stride_ot", "stride_oh", "NSPLIT")
+    consts = dict(H=8, R=512, PDL=True, LEAVES=4, GB=tree_attn_invariant.MERGE_GROUPS, BS=64)
+    return tree_attn_invariant._combine_kernel, sig, ints, consts
+
+
 def _kernel(name: str):
     from ddserve.kernels import moe_gluon
 
     if name == "tree":
         return _tree_kernel()
+    if name == "merge":
+        return _merge_kernel()
     if name == "up":
         sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", part_ptr="*fp32",
                    pairs_ptr="*i64", bexp_ptr="*i64", h_ptr="*bf16", ticket_ptr="*i32")  # fmt: skip
@@ -100,6 +119,9 @@ def compile_sass(kernel: str, overrides: dict) -> str:
     if kernel == "tree":
         div = [n for n in sig if n in TREE_PTRS + TREE_STRIDES]
         source, options = ASTSource, {"num_warps": 8, "num_stages": 3, "launch_pdl": True}
+    elif kernel == "merge":
+        div = list(MERGE_PTRS)
+        source, options = ASTSource, {"num_warps": 4, "launch_pdl": True}
     else:
         div = [n for n in sig if sig[n] != "constexpr" and n not in ROOT_INTS]
         source, options = GluonASTSource, {"num_warps": consts["W"], "launch_pdl": consts["PDL"]}
@@ -205,6 +227,14 @@ def loads_report(ins: list[tuple[int, str]], first: int, last: int, wrap: bool =
     )
 
 
+def issued_before_first_read(loads: list[dict]) -> int:
+    """How many of `loads_report`'s loads are issued before the first read of any of them (in
+    one pass through the body: a warp stalls at that read until its value arrives)."""
+    reads = [ld["at"] + ld["read_after"] for ld in loads if ld["read_after"] is not None]
+    first = min(reads, default=None)
+    return sum(first is None or ld["at"] < first for ld in loads)
+
+
 def loops_report(ins: list[tuple[int, str]], top: int = 12) -> list[dict]:
     """Every loop (a backward branch) in program order: its first and last instruction index,
     its length and its most frequent opcodes (modifiers dropped)."""
@@ -218,7 +248,7 @@ def loops_report(ins: list[tuple[int, str]], top: int = 12) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--kernel", choices=("up", "down", "tree"), default="up")
+    ap.add_argument("--kernel", choices=("up", "down", "tree", "merge"), default="up")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a constexpr of the kernel (repeatable), e.g. BM=16, DEPTH=2")  # fmt: skip
     ap.add_argument("--sass", default=None, help="also write the whole SASS here")
@@ -255,6 +285,9 @@ def main() -> None:
         print(
             f"  +{ld['at']:4d}  {ld['load']:<34} first read {ld['read_after']} instructions later"
         )
+    rep["loads_before_first_read"] = issued_before_first_read(rep["loads"])
+    print(f"  {rep['loads_before_first_read']} of {len(rep['loads'])} loads issued before the "
+          f"first loaded value is read")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(rep, indent=1))
 

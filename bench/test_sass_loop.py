@@ -30,6 +30,7 @@ def test_the_main_loop_and_each_loads_first_read() -> None:
     # R8..R11 first read by the FADD (R9), 3 later; R12..R13 by the IADD3, 1 later; R30 is never
     # read inside the loop (only by the store after it)
     assert [(ld["at"], ld["read_after"]) for ld in rep["loads"]] == [(0, 3), (1, 1), (4, None)]
+    assert sass_loop.issued_before_first_read(rep["loads"]) == 2  # read first at +1 (R12)
 
 
 PREDICATED = """
@@ -93,3 +94,14 @@ def test_the_tree_attention_kernel_compiles_with_its_shared_tile_loop() -> None:
     # the shared-tile loop: one 64-key tile over 8 warps at 16 rows: 36 MMAs for the scores
     # (512 + 64 columns), 32 for the values, 4 for the row sums
     assert any(lp["opcodes"].get("HMMA") == 72 and lp["opcodes"].get("LDGSTS") for lp in loops)
+
+
+def test_the_split_merge_compiles_with_its_loop_over_runs_of_groups() -> None:
+    ins = sass_loop.parse(_compiled("merge"))
+    rep = sass_loop.loads_report(ins, *sass_loop.main_loop(ins))
+    # a run of MERGE_GROUPS groups of 4 parts: each part's max, sum and values (one 128-bit
+    # load per thread and 128 values), so at least 3 loads per part
+    from ddserve.kernels.tree_attn_invariant import MERGE_GROUPS
+
+    assert len(rep["loads"]) >= 3 * 4 * MERGE_GROUPS
+    assert sass_loop.issued_before_first_read(rep["loads"]) >= 4  # more than one part's
