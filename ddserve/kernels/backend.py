@@ -28,7 +28,7 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its device's configuration (SPLIT 256; BN 64
   in 3 stages on H100/H200, else 32; BM 32, or 16 for decode and small calls; one 256-key group
-  per program, or one key tile per program for small calls), `_combine_kernel` merging the
+  per program, or one key tile per program for small decode calls), `_combine_kernel` merging the
   splits when there is more than one (a merge inside the first launch measured slower on an
   H200: BENCHMARKS.md)
 - routed experts: `moe_triton.fused_moe`: INT4 experts with bf16 scales run v3 (`moe_v3`, Gluon
