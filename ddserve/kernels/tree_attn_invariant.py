@@ -15,8 +15,8 @@ at multiples of SPLIT) are folded in position order from the empty state (`_fold
 FMAs); the groups are merged by `_combine_kernel` (weights exp2(lse - max lse); the weighted
 values summed MERGE_GROUPS groups at a time by a fixed pairwise tree, those sums in group order).
 Who folds a group's tiles is a per-call choice that leaves the bits alone (`part_keys`): its
-program (one program per group) or, for small calls, the merge (one program per tile, each
-writing its raw state), so small calls use SPLIT / BN times the programs. When the host shapes
+program (one program per group) or, for small decode calls, the merge (one program per tile,
+each writing its raw state), so those calls use SPLIT / BN times the programs. When the host shapes
 fit one split (P_max + Q_max <= keys per program) the kernel writes the output itself, which is
 bitwise what the merge of one split gives (o * 1 + 0, then o / 1).
 
@@ -87,7 +87,7 @@ def _fold(m, l_sum, acc, m_t, l_t, o_t):
 
 @triton.jit
 def _fold_scales(m, m_t):
-    """A fold's larger max and the scales of its two sides (`_fold`; the merge's, per row)."""
+    """A fold's larger max and the scales of its two sides (`_fold`; the merge's, per group)."""
     m_new = tl.maximum(m, m_t)
     return m_new, tl.exp2(m - m_new), tl.exp2(m_t - m_new)
 
@@ -357,17 +357,20 @@ def _combine_kernel(
     (LEAVES 1: its normalised values and lse), or the fold of its LEAVES parts' raw states in
     order (`_fold`'s arithmetic), normalised as the attention kernel normalises a group
     (`_groups`). The groups are then merged: m = the max of their log-sum-exps (exact in any
-    order); weights w = exp2(lse - m); the values times their weights, and the weights, summed
-    GB groups at a time by a fixed pairwise tree (`_tree_sum`: group i + group i + GB / 2, ...;
-    single additions, so the bits do not depend on the layout), the GB-group sums added in
-    group order. Only groups up to the row's last with keys take part (a row's keys are a
-    prefix of its positions), so NSPLIT, the table's width, does not change the bits; empty
-    groups (lse -inf) and empty parts (sum 0) weigh 0 and contribute no values (theirs may be
-    garbage); one group gives its values exactly (o * 1 + 0 ..., then / 1). A row in no block
-    (q_starts / q_lens) has no partials written: it gets 0. The block metadata is read before
-    the wait (written before the forward's first layer).
-    Every load of GB groups is one tensor load per part of a group, issued before any of them is
-    used, so the merge's memory round trips grow with the row's groups / GB, not its parts."""
+    order); weights w = exp2(lse - m); the values times their weights (rounded products: FMAs
+    with a zero addend, so the compiler cannot contract them into the additions), and the
+    weights, summed GB groups at a time by a fixed pairwise tree (`_tree_sum`: group i + group
+    i + GB / 2, ...; single additions, so the bits do not depend on the layout), the GB-group
+    sums added in group order. Only groups up to the row's last with keys take part (a row's
+    keys are a prefix of its positions), so NSPLIT, the table's width, does not change the
+    bits; empty groups (lse -inf) and empty parts (sum 0) weigh 0 and contribute no values
+    (theirs may be garbage); one group gives its values exactly (o * 1 + 0 ..., then / 1). A
+    row in no block (q_starts / q_lens) has no partials written: it gets 0. The block metadata
+    is read before the wait (written before the forward's first layer).
+    A run's loads are one tensor load per part position of its GB groups, all in the source
+    before any value is used (ptxas still spreads them over about three waves: `sass_loop.py
+    --kernel merge`), so the merge's memory round trips grow with the row's groups / GB, not
+    its parts."""
     row = tl.program_id(0).to(tl.int64)  # t * H + head (int64: row * NSPLIT * R can pass 2^31)
     t = row // H
     head = row % H
@@ -395,7 +398,7 @@ def _combine_kernel(
         gs = g0 + tl.arange(0, GB)
         lse, o = _groups(po_ptr, plse_ptr, pl_ptr, base, gs, last, NSPLIT, R, LEAVES, True)
         w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)  # [GB]
-        acc += _tree_sum(o * w[:, None], GB)
+        acc += _tree_sum(tl.fma(o, w[:, None], 0.0), GB)  # rounded products: nothing to contract
         den += tl.sum(_tree_sum(w[:, None], GB), 0)  # [1] -> scalar
     res = acc / tl.maximum(den, 1.0e-30)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + dr, res.to(out_ptr.dtype.element_ty))
@@ -404,8 +407,8 @@ def _combine_kernel(
 @triton.jit
 def _groups(po_ptr, plse_ptr, pl_ptr, base, g, last, NSPLIT, R: tl.constexpr,
             LEAVES: tl.constexpr, VALUES: tl.constexpr):  # fmt: skip
-    """Groups g (a vector, none past `last`) of a row's partials (at base = row * NSPLIT):
-    their lses [G] and, with VALUES, normalised values [G, R] (else 0). A group's own (LEAVES
+    """Groups g (a vector) of a row's partials (at base = row * NSPLIT): their lses [G] and,
+    with VALUES, normalised values [G, R] (else 0). A group's own (LEAVES
     1), or the fold of its parts' states in order (`_fold`'s arithmetic, group by group).
     Groups past `last`: lse -inf, values 0. Values are loaded without waiting for the lse or
     sum that selects them: an empty group's or part's (within the partials' buffer, possibly
@@ -544,6 +547,9 @@ def tree_mla_attention_invariant(
     if part not in (cfg["BN"], cfg["SPLIT"]):
         raise ValueError(f"invariant tree attention: PART {part} is neither BN nor SPLIT")
     leaves = cfg["SPLIT"] // part  # programs per group
+    gb = MERGE_GROUPS if cfg["MERGE_GROUPS"] is None else cfg["MERGE_GROUPS"]
+    if gb < 1 or gb & (gb - 1):
+        raise ValueError(f"invariant tree attention: MERGE_GROUPS {gb} is not a power of two")
     nsplit = triton.cdiv(meta.prefix_slots.shape[1] + q_max, part)  # programs per row tile
     if nsplit == 1 or t == 0 or nblocks == 0:
         out = torch.zeros_like(q_latent)  # rows outside every block stay 0, as in the reference
@@ -587,6 +593,6 @@ def tree_mla_attention_invariant(
     if nsplit > 1:
         _combine_kernel[(t * h,)](
             po, plse, pl, out, meta.q_starts, meta.q_lens, nblocks, out.stride(0), out.stride(1),
-            nsplit, H=h, R=r, LEAVES=leaves, GB=cfg["MERGE_GROUPS"] or MERGE_GROUPS, **launch,
+            nsplit, H=h, R=r, LEAVES=leaves, GB=gb, **launch,
         )  # fmt: skip
     return out
