@@ -15,6 +15,11 @@ computed the same way wherever its row sits: products rounded to the accumulator
 K order, then added to the accumulator (the interpreter's `matmul + acc` shape). So the bitwise
 claims of the interpreter tests hold on any CPU and still fail when a kernel's tiling, K order or
 split depends on M.
+
+Each test file's interpreter run is one subprocess, minutes of numpy work in all; the runs of the
+collected tests start in the background when collection ends (`start_runs`, from conftest.py),
+as many at once as the machine has cores, so they use the cores that the tests running meanwhile
+leave idle; a test reads its file's run when it finishes (`interpreter_run`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import subprocess
 import sys
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,17 +61,60 @@ def run_cases(cases, *leading) -> dict[str, str]:
     return out
 
 
-@functools.cache
-def interpreter_results(script: str) -> dict[str, str]:
-    """`script` (a test file) run as a program with TRITON_INTERPRET=1; its `__main__` prints
-    `run_cases`' result as JSON on its last line. Fails the calling test if the run fails."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, script], env=env, capture_output=True, text=True, timeout=300
-    )
+RUN_TIMEOUT_S = 300  # one file's run, from its start (measured: 15-55 s alone on 2 cores)
+_RUNS: dict[str, Future] = {}  # test file -> its run's CompletedProcess
+_PROCS: set[subprocess.Popen] = set()  # the runs under way
+_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="interpreter")
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")  # as conftest.py: threads only oversubscribe here
+    cmd = [sys.executable, script]
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(cmd, env=env, **out) as proc:
+        _PROCS.add(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            stderr += f"\ninterpreter run killed after {RUN_TIMEOUT_S} s"
+        finally:
+            _PROCS.discard(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def start_runs(scripts) -> None:
+    """Start the interpreter runs of `scripts` (test files) in the background, in this order."""
+    for script in scripts:
+        if str(script) not in _RUNS:
+            _RUNS[str(script)] = _POOL.submit(_run, str(script))
+
+
+def stop_runs() -> None:
+    """Drop the runs not started yet and kill those under way (the session is over)."""
+    _POOL.shutdown(wait=False, cancel_futures=True)
+    for proc in list(_PROCS):
+        proc.kill()
+
+
+def interpreter_run(script: str) -> subprocess.CompletedProcess:
+    """`script` (a test file) run as a program with TRITON_INTERPRET=1: the run `start_runs`
+    started, or one started now. Fails the calling test if the run fails."""
+    start_runs([script])
+    proc = _RUNS[str(script)].result()
     if proc.returncode:
         pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc
+
+
+@functools.cache
+def interpreter_results(script: str) -> dict[str, str]:
+    """`interpreter_run(script)`'s result, whose `__main__` prints `run_cases`' result as JSON
+    on its last line."""
+    return json.loads(interpreter_run(script).stdout.strip().splitlines()[-1])
 
 
 def tile_dot(a, b, out_dtype):

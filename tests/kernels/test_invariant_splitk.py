@@ -198,6 +198,7 @@ def _run_checks() -> dict[str, str]:
     return run_cases(CASES, invariant)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
 def test_split_k_in_interpreter(name: str) -> None:
     require_triton()

@@ -18,14 +18,10 @@ the maximum (8191, 8192, and 8192 pairs on one expert), E = 1024, bm 8 / 16 / 32
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.triton_interp import require_triton
+from tests.triton_interp import interpreter_run, require_triton
 
 require_triton()
 RANDOM = [
@@ -116,18 +112,12 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def records() -> dict[str, dict]:
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter run failed:\n{proc.stderr[-3000:]}")
-    recs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = interpreter_run(__file__).stdout.splitlines()
+    recs = [json.loads(line) for line in lines if line.startswith("{")]
     return {r["name"]: r for r in recs}
 
 
+@pytest.mark.interpreter
 def test_random_routings_match_torch(records):
     rand = [r for n, r in records.items() if n.startswith("random_")]
     assert len(rand) == len(RANDOM)
@@ -145,6 +135,7 @@ def test_random_routings_match_torch(records):
      "e1024"],
 )  # fmt: skip
 @pytest.mark.parametrize("path", ["gather", "memory"])
+@pytest.mark.interpreter
 def test_skewed_routing_matches_torch(records, name, path):
     rec = records[name if path == "gather" else f"{name}_memory"]
     assert rec["gather"] == (path == "gather")

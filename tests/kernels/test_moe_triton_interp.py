@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.triton_interp import patch_interpreter, require_triton
+from tests.triton_interp import interpreter_run, patch_interpreter, require_triton
 
 require_triton()
 # The interpreter rounds fp32 -> bf16 by truncation (measured: 1-ulp differences in dequantized
@@ -125,16 +121,11 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = interpreter_run(__file__).stdout.splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+@pytest.mark.interpreter
 def test_matches_reference(records):
     acc = [r for r in records if r["kind"] == "acc"]
     assert len(acc) == 10
@@ -142,12 +133,14 @@ def test_matches_reference(records):
     assert not bad, bad
 
 
+@pytest.mark.interpreter
 def test_invariant_rows_are_bitwise_equal(records):
     inv = [r for r in records if r["kind"] == "inv"]
     assert len(inv) == 5
     assert all(r["same"] for r in inv), inv
 
 
+@pytest.mark.interpreter
 def test_unknown_config_keys_are_refused(records):
     assert [r["raised"] for r in records if r["kind"] == "unknown_key"] == [True]
 

@@ -157,6 +157,7 @@ def _run_checks() -> dict[str, str]:
     return run_cases(CASES, router)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
 def test_kernel_in_interpreter(name: str) -> None:
     require_triton()

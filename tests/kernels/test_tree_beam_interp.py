@@ -140,6 +140,7 @@ CASES = (
 )  # fmt: skip
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
 def test_kernel_in_interpreter(name: str) -> None:
     require_triton()
