@@ -5,8 +5,9 @@ at once so streams share verify batches; then `--no-speculative`, with the promp
 time (different batches, different prefill company). Greedy completions (temperature 0,
 ignore_eos) must be identical, character for character. With batch-invariant kernels this holds
 in bf16 on GPUs too (tp <= 2 exactly; tp > 2 through the rank-order all-reduce). Writes JSON;
-exits 1 if any completion differs. Run by tests/serve/test_serve_exactness.py (CPU: tp = 2 over
-gloo, float32) and, on GPUs, by bench/serve_exactness.py (`bash bench/run.sh exactness`):
+exits 1 if any completion differs. tests/serve/test_serve_e2e.py runs the same check from its
+parts, with its own server as the DDTree one (CPU: tp = 2 over gloo, float32); on GPUs,
+bench/serve_exactness.py runs it (`bash bench/run.sh exactness`):
 
     python bench/serve_exactness.py --out results/serve_exactness.json [-- <ddserve serve flags>]
 """
@@ -87,6 +88,17 @@ async def run(url: str, texts: list[str], max_tokens: int, concurrent: bool) -> 
         return [await complete(client, url, model, p, max_tokens) for p in texts]
 
 
+def serve_and_run(flags: list[str], texts: list[str], max_tokens: int, concurrent: bool,
+                  startup_s: float) -> list[str]:  # fmt: skip
+    """`run` against a `ddserve serve <flags>` started for it on a free port, and stopped."""
+    port = free_port()
+    server = Server(port, flags, startup_s)
+    try:
+        return asyncio.run(run(f"http://127.0.0.1:{port}", texts, max_tokens, concurrent))
+    finally:
+        server.stop()
+
+
 def first_diff(a: str, b: str) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 None if len(a) == len(b) else min(len(a), len(b)))  # fmt: skip
@@ -107,15 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(args.prompts)
     outputs, seconds = {}, {}
     for name, flags, concurrent in (("ddtree", [], True), ("plain", ["--no-speculative"], False)):
-        port = free_port()
         t0 = time.perf_counter()
-        server = Server(port, [*serve_flags, *flags], args.startup_s)
-        try:
-            outputs[name] = asyncio.run(
-                run(f"http://127.0.0.1:{port}", texts, args.max_tokens, concurrent)
-            )
-        finally:
-            server.stop()
+        outputs[name] = serve_and_run([*serve_flags, *flags], texts, args.max_tokens, concurrent,
+                                      args.startup_s)  # fmt: skip
         seconds[name] = time.perf_counter() - t0
         print(f"{name}: {len(texts)} completions in {seconds[name]:.0f} s", flush=True)
     diffs = [first_diff(a, b) for a, b in zip(outputs["ddtree"], outputs["plain"], strict=True)]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ports import free_port
@@ -42,6 +43,23 @@ def session_pids(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             out.append(int(entry))
     return out
+
+
+def session_leftovers(sid: int, timeout_s: float) -> list[int]:
+    """Processes of session `sid` still there after waiting up to `timeout_s` for none."""
+    deadline = time.monotonic() + timeout_s
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL to every process of session `sid`."""
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 class Server:

@@ -3,23 +3,26 @@ on 127.0.0.1, driven by the unmodified `openai` client and raw HTTP.
 
 The server starts once for the module (~30-40 s on 2 cores). Expected text comes from
 ModelRunner's plain autoregressive greedy decoding in this process (tp=1, float32: the server's
-CPU dtype), not from the serving code. The dead-shard test runs last: it kills a shard (the
-replica rebuilds its tensor-parallel group).
+CPU dtype), not from the serving code, and, for the first test, from a `--no-speculative`
+server run before this one starts. The dead-shard test runs next to last: it kills a shard (the
+replica rebuilds its tensor-parallel group); the last SIGKILLs the CLI itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+import http_exactness as exactness
 import httpx
 import openai
 import pytest
 from kill_probe import measure_kill
-from serve_proc import ddserve_env, start_server
+from serve_proc import ddserve_env, kill_session, session_leftovers, session_pids, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +31,23 @@ STARTUP_S = 240
 
 
 @pytest.fixture(scope="module")
-def server():
-    """`ddserve serve` with its defaults: (url, its Ray's address, pid)."""
+def served():
+    """`ddserve serve` with its defaults, in a session of its own (serve_proc.Server)."""
     try:
         srv = start_server(env=ddserve_env(RAY_AUTH_MODE="disabled"), startup_s=STARTUP_S)
     except RuntimeError as e:
         pytest.fail(str(e))
     try:
-        yield srv.url, srv.gcs, srv.proc.pid
+        yield srv
     finally:
         srv.stop()
+        kill_session(srv.proc.pid)  # only if the SIGKILL test failed half-way
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    """(url, its Ray's address, pid)."""
+    return served.url, served.gcs, served.proc.pid
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +143,21 @@ def _wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
         if (idle and m["ddserve_queue_depth"] == 0) or time.time() > deadline:
             return m
         time.sleep(0.2)
+
+
+def test_served_ddtree_equals_served_plain_decoding_under_other_traffic(request) -> None:
+    """First, so that no two servers run at once (a second private Ray on the machine took
+    100 s to start, measured): greedy completions of `ddserve serve --no-speculative` given the
+    prompts one at a time equal this module's DDTree server's given them all at once, so that
+    they share verify batches and prefill forwards (tests/http_exactness.py's check)."""
+    texts = exactness.prompts(6)
+    plain = exactness.serve_and_run(["--no-speculative"], texts, 24, concurrent=False,
+                                    startup_s=300)  # fmt: skip
+    url = request.getfixturevalue("url")  # the module's server starts now
+    ddtree = asyncio.run(exactness.run(url, texts, 24, concurrent=True))
+    diffs = [exactness.first_diff(a, b) for a, b in zip(ddtree, plain, strict=True)]
+    assert diffs == [None] * 6, diffs
+    assert all(len(t) > 0 for t in ddtree)  # real completions compared
 
 
 def test_readme_serve_command_answers_a_streaming_request(url: str) -> None:
@@ -349,3 +374,18 @@ def test_a_killed_shard_is_rebuilt_while_clients_get_fast_503s(server, model_nam
     assert httpx.get(f"{url}/health").status_code == 200
     m = _metrics(url)
     assert m["ddserve_healthy"] == 1 and m["ddserve_engine_rebuilds_total"] == 1
+
+
+EXIT_S = 30  # the CLI's exit after a signal (measured 0.2-3.5 s)
+CLEAN_S = 30  # every process of its session gone (measured 4-7 s: the reaper's grace period)
+
+
+def test_sigkill_of_the_cli_leaves_no_ray_process(served) -> None:
+    """Last: SIGKILL of the `ddserve serve` process (its reaper stops the Ray it started). On
+    this module's server, so that no other server starts for it (test_serve_signals.py has the
+    SIGTERM cases)."""
+    sid = served.proc.pid  # its own session
+    assert len(session_pids(sid)) > 3  # the CLI, GCS, raylet, agents, workers
+    served.proc.send_signal(signal.SIGKILL)
+    assert served.proc.wait(EXIT_S) == -signal.SIGKILL
+    assert session_leftovers(sid, CLEAN_S) == []

@@ -1,17 +1,17 @@
 """`ddserve serve` stops promptly on SIGTERM at any point, and leaves no process of the Ray it
-started behind, even when the CLI itself is SIGKILLed. Each test starts the server in its own
-session and checks that session (never anybody else's Ray)."""
+started behind, even when the CLI itself is SIGKILLed (that test ends test_serve_e2e.py's
+server: it needs one that serves). Each test starts the server in its own session and checks
+that session (never anybody else's Ray)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
 import time
 
 import pytest
-from serve_proc import ROOT, ddserve_cmd, ddserve_env, free_port, session_pids
+from serve_proc import ROOT, ddserve_cmd, ddserve_env, free_port, kill_session, session_leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -48,17 +48,10 @@ class Server:
         return rc, time.monotonic() - t0
 
     def leftovers(self) -> list[int]:
-        deadline = time.monotonic() + CLEAN_S
-        while (left := session_pids(self.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return left
+        return session_leftovers(self.proc.pid, CLEAN_S)
 
     def kill_session(self) -> None:
-        for pid in session_pids(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_session(self.proc.pid)
 
 
 @pytest.fixture
@@ -88,12 +81,4 @@ def test_sigterm_while_ray_starts_stops_everything(server) -> None:
     time.sleep(1)  # inside ray.init (~7 s on the 2-core machine)
     rc, took = server.signal_and_wait(signal.SIGTERM)
     assert rc == 130 and took < EXIT_S, "".join(server.lines[-20:])
-    assert server.leftovers() == []
-
-
-def test_sigkill_of_the_cli_leaves_no_ray_process(server) -> None:
-    server.wait_for("ddserve: serving on", STARTUP_S)
-    assert len(session_pids(server.proc.pid)) > 3  # the CLI, GCS, raylet, agents, workers
-    rc, _ = server.signal_and_wait(signal.SIGKILL)
-    assert rc == -signal.SIGKILL
     assert server.leftovers() == []
