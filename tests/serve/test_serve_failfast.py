@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -39,24 +40,45 @@ def _first_error(lines: list[str]) -> str:
     return next(ln for ln in lines if ln.startswith("ddserve: error:"))
 
 
+NO_TWO_GPUS = torch.cuda.device_count() < 2  # where "gpus-missing" fails as it should
+CASES = {  # id: (flags, the cause its first error line names)
+    "tp3-heads": (["--model", "{tiny}", "--tp", "3"],
+                  r"tp=3 .*num_attention_heads = 8 is not divisible"),
+    "tp8-int4-groups": (["--model", "{tiny}", "--tp", "8"],
+                        r"tp=8 .*moe_intermediate_size.*whole INT4 groups"),
+    "missing-model": (["--model", "/nonexistent/ckpt"],
+                      r"model directory /nonexistent/ckpt does not exist"),
+    "missing-drafter": (["--drafter", "/nonexistent/dflash"],
+                        r"drafter directory /nonexistent/dflash does not"),
+    "embedded-tp3": (["--tp", "3"], r"tp=3 .*default_model: vocab_size = 4096 is not divisible"),
+    "gpus-missing": (["--tp", "2", "--device", "cuda"], r"tp=2 on cuda needs 2 GPUs on one node"),
+}  # fmt: skip
+
+
+def _runs_here(name: str) -> bool:
+    return name != "gpus-missing" or NO_TWO_GPUS
+
+
+@pytest.fixture(scope="module")
+def serve_runs(model_dir) -> dict[str, Future]:
+    """Each case's `_ddserve` run, as many at once as there are cores (each is seconds of
+    imports, then the preflight's refusal); a run's time is its own, from its start."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return {name: pool.submit(_ddserve, *(f.format(tiny=model_dir) for f in flags))
+                for name, (flags, _) in CASES.items() if _runs_here(name)}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("flags", "cause"),
+    "name",
     [
-        (["--model", "{tiny}", "--tp", "3"], r"tp=3 .*num_attention_heads = 8 is not divisible"),
-        (["--model", "{tiny}", "--tp", "8"], r"tp=8 .*moe_intermediate_size.*whole INT4 groups"),
-        (["--model", "/nonexistent/ckpt"], r"model directory /nonexistent/ckpt does not exist"),
-        (["--drafter", "/nonexistent/dflash"], r"drafter directory /nonexistent/dflash does not"),
-        (["--tp", "3"], r"tp=3 .*default_model: vocab_size = 4096 is not divisible"),
-        pytest.param(["--tp", "2", "--device", "cuda"], r"tp=2 on cuda needs 2 GPUs on one node",
-                     marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="has GPUs")),
+        pytest.param(n, marks=pytest.mark.skipif(not _runs_here(n), reason="has GPUs"))
+        for n in CASES
     ],
-    ids=["tp3-heads", "tp8-int4-groups", "missing-model", "missing-drafter", "embedded-tp3",
-         "gpus-missing"],
-)  # fmt: skip
-def test_ddserve_serve_exits_at_once_naming_the_cause(model_dir, flags, cause) -> None:
-    rc, lines, took = _ddserve(*(f.format(tiny=model_dir) for f in flags))
+)
+def test_ddserve_serve_exits_at_once_naming_the_cause(serve_runs, name) -> None:
+    rc, lines, took = serve_runs[name].result()
     assert rc == 2, lines
-    assert re.search(cause, _first_error(lines)), lines
+    assert re.search(CASES[name][1], _first_error(lines)), lines
     assert not any("Started a local Ray" in ln for ln in lines)  # failed before Ray
     assert took < BOUND_S
 
