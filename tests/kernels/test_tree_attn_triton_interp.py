@@ -23,14 +23,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.triton_interp import patch_interpreter, require_triton, run_cases
+from tests.triton_interp import interpreter_results, patch_interpreter, require_triton, run_cases
 
 require_triton()
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,26 +238,17 @@ CASES = (
 )  # fmt: skip
 
 
-@functools.cache
-def _results() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'gpu'}"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1])
-
-
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", [name for name, _, _ in CASES])
 def test_in_interpreter(name: str) -> None:
-    result = _results()[name]
+    result = interpreter_results(__file__)[name]
     assert result == "ok", result
 
 
 if __name__ == "__main__":
     import torch
 
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))  # _tree_inputs
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     patch_interpreter()
