@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from model_utils import rel_err
-from test_tp_gloo import free_port, run_model, worker
+from test_tp_gloo import free_port, run_model, spawn, worker
 
 from ddserve import LLM, SamplingParams
 from ddserve.config import ModelConfig
@@ -124,7 +123,7 @@ def test_default_over_gloo_equals_tp1(world: int, tmp_path) -> None:
     path = str(default_model_dir())
     ref = run_model(load_model(path, dtype=torch.float32, progress=False)[0])
     out = str(tmp_path / "logits")
-    mp.spawn(worker, args=(world, free_port(), [path], out), nprocs=world, join=True)
+    spawn(worker, (world, free_port(), [path], out), world)
     for rank in range(world):
         [got] = torch.load(f"{out}.{rank}")
         assert rel_err(got, ref) <= 1e-5, (rank, rel_err(got, ref))
