@@ -23,7 +23,10 @@ under several kernel launch variants in one process (same weights, same inputs):
 attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
 stream), "side-first" (the shared expert's branch forked before the router instead of after
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
-launch of its own and the query's RoPE in `mla_rope_cache`).
+launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" (the
+MoE's step loop not unrolled / two weight steps in flight; same bits), "attn-decode-prefetch"
+(decode calls with a tile per program ask L2 for their keys before the PDL wait; same bits),
+"router-splitN" (the router gate's K in N ranges: other bits, timing only).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -51,7 +54,7 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend, moe_v3, pdl  # noqa: E402
+from ddserve.kernels import backend, moe_v3, pdl, router, tree_attn_invariant  # noqa: E402
 from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
@@ -61,7 +64,8 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled")  # fmt: skip
+            "no-latent-fusion", "moe-rolled", "moe-depth2", "attn-decode-prefetch",
+            "router-split14", "router-split28")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -353,6 +357,7 @@ def variant(runner, name: str):
     """The runner's kernel configuration, the PDL prefetches and the model's switches set for one
     launch variant, and restored after it."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
+    router_config, decode_prefetch = router.router_config, tree_attn_invariant.DECODE_TILE_PREFETCH
     moe_config = dict(moe_v3.CONFIG)
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
@@ -366,6 +371,13 @@ def variant(runner, name: str):
             mod.latent_fusion = False
     elif name == "moe-rolled":
         moe_v3.CONFIG["UNROLL"] = False
+    elif name == "moe-depth2":
+        moe_v3.CONFIG["DEPTH"] = 2
+    elif name == "attn-decode-prefetch":
+        tree_attn_invariant.DECODE_TILE_PREFETCH = True
+    elif name.startswith("router-split"):
+        split = int(name.removeprefix("router-split"))
+        router.router_config = lambda e, d: router_config(e, d)._replace(split=split)
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
@@ -374,6 +386,10 @@ def variant(runner, name: str):
         yield
     finally:
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
+        router.router_config, tree_attn_invariant.DECODE_TILE_PREFETCH = (
+            router_config,
+            decode_prefetch,
+        )
         moe_v3.CONFIG.update(moe_config)
         for mod, fused in attention:
             mod.latent_fusion = fused
