@@ -1,5 +1,5 @@
 """Served DDTree output == served plain decoding, through HTTP (the check is
-tests/http_exactness.py, shared with tests/serve/test_serve_exactness.py). Exits 1 if any completion
+tests/http_exactness.py, shared with tests/serve/test_serve_e2e.py). Exits 1 if any completion
 differs.
 
     python bench/serve_exactness.py --out results/serve_exactness.json [-- <ddserve serve flags>]
