@@ -23,10 +23,13 @@ under several kernel launch variants in one process (same weights, same inputs):
 attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
 stream), "side-first" (the shared expert's branch forked before the router instead of after
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
-launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" (the
-MoE's step loop not unrolled / two weight steps in flight; same bits), "attn-decode-prefetch"
+launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" /
+"moe-l2pf" (the MoE's step loop not unrolled / two weight steps in flight / each program's
+weights asked from L2 first; same bits), "attn-decode-prefetch"
 (decode calls with a tile per program ask L2 for their keys before the PDL wait; same bits),
-"router-splitN" (the router gate's K in N ranges: other bits, timing only).
+"router-splitN" (the router gate's K in N ranges: other bits, timing only), "matmul-pfNk"
+(each dense matmul program asks L2 for up to N KiB of its weights before the PDL wait instead
+of `invariant.PREFETCH_BYTES`; same bits).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -54,7 +57,7 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend, moe_v3, pdl, router, tree_attn_invariant  # noqa: E402
+from ddserve.kernels import backend, invariant, moe_v3, pdl, router, tree_attn_invariant  # noqa: E402
 from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
@@ -64,8 +67,9 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled", "moe-depth2", "attn-decode-prefetch",
-            "router-split14", "router-split28")  # fmt: skip
+            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-l2pf", "attn-decode-prefetch",
+            "router-split14", "router-split28", "matmul-pf64k", "matmul-pf128k",
+            "matmul-pf256k")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -358,6 +362,7 @@ def variant(runner, name: str):
     launch variant, and restored after it."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
     router_config, decode_prefetch = router.router_config, tree_attn_invariant.DECODE_TILE_PREFETCH
+    matmul_pf = invariant.PREFETCH_BYTES
     moe_config = dict(moe_v3.CONFIG)
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
@@ -373,8 +378,12 @@ def variant(runner, name: str):
         moe_v3.CONFIG["UNROLL"] = False
     elif name == "moe-depth2":
         moe_v3.CONFIG["DEPTH"] = 2
+    elif name == "moe-l2pf":
+        moe_v3.CONFIG["PF"] = True
     elif name == "attn-decode-prefetch":
         tree_attn_invariant.DECODE_TILE_PREFETCH = True
+    elif name.startswith("matmul-pf"):
+        invariant.PREFETCH_BYTES = int(name.removeprefix("matmul-pf").removesuffix("k")) << 10
     elif name.startswith("router-split"):
         split = int(name.removeprefix("router-split"))
         router.router_config = lambda e, d: router_config(e, d)._replace(split=split)
@@ -391,6 +400,7 @@ def variant(runner, name: str):
             decode_prefetch,
         )
         moe_v3.CONFIG.update(moe_config)
+        invariant.PREFETCH_BYTES = matmul_pf
         for mod, fused in attention:
             mod.latent_fusion = fused
 
@@ -442,8 +452,14 @@ def main(argv: list[str] | None = None) -> dict:
         default="default",
         help=f"comma list of kernel launch variants profiled per configuration, of {VARIANTS}",
     )
+    ap.add_argument(
+        "--kinds", default="ar,ddtree", help="forwards to profile: ar (decode), ddtree (verify)"
+    )
     ap.add_argument("--out", default=None, help="JSON output path (default: print)")
     args = ap.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if not kinds or set(kinds) - {"ar", "ddtree"}:
+        ap.error(f"--kinds: a comma list of ar, ddtree, not {args.kinds!r}")
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -490,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
         bandwidth_bytes_per_s=bw,
         configs=[],
     )
-    for kind, c in [("ar", c) for c in ea.batches] + [("ddtree", c) for c in ea.batches]:
+    for kind, c in [(k, c) for k in ("ar", "ddtree") if k in kinds for c in ea.batches]:
         sids = bench.sids[:c]
         for name in variants:
             try:
