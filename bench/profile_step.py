@@ -25,7 +25,8 @@ stream), "side-first" (the shared expert's branch forked before the router inste
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
 launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" /
 "moe-l2pf" (the MoE's step loop not unrolled / two weight steps in flight / each program's
-weights asked from L2 first; same bits), "attn-decode-prefetch"
+weights asked from L2 first; same bits), "moe-split8" / "moe-split8-l2pf" (the up projection's K
+in 8 ranges, without / with that prefetch: other bits, timing only), "attn-decode-prefetch"
 (decode calls with a tile per program ask L2 for their keys before the PDL wait; same bits),
 "router-splitN" (the router gate's K in N ranges: other bits, timing only), "matmul-pfNk"
 (each dense matmul program asks L2 for up to N KiB of its weights before the PDL wait instead
@@ -67,9 +68,9 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-l2pf", "attn-decode-prefetch",
-            "router-split14", "router-split28", "matmul-pf64k", "matmul-pf128k",
-            "matmul-pf256k")  # fmt: skip
+            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-l2pf", "moe-split8",
+            "moe-split8-l2pf", "attn-decode-prefetch", "router-split14", "router-split28",
+            "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -378,6 +379,8 @@ def variant(runner, name: str):
         moe_v3.CONFIG["UNROLL"] = False
     elif name == "moe-depth2":
         moe_v3.CONFIG["DEPTH"] = 2
+    elif name.startswith("moe-split8"):  # other bits: the up projection's K in 8 ranges
+        moe_v3.CONFIG.update(SPLIT=8, PF=name.endswith("-l2pf"))
     elif name == "moe-l2pf":
         moe_v3.CONFIG["PF"] = True
     elif name == "attn-decode-prefetch":
