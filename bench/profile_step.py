@@ -23,14 +23,11 @@ under several kernel launch variants in one process (same weights, same inputs):
 attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
 stream), "side-first" (the shared expert's branch forked before the router instead of after
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
-launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" /
-"moe-l2pf" (the MoE's step loop not unrolled / two weight steps in flight / each program's
-weights asked from L2 first; same bits), "moe-split8" / "moe-split8-l2pf" (the up projection's K
-in 8 ranges, without / with that prefetch: other bits, timing only), "attn-decode-prefetch"
-(decode calls with a tile per program ask L2 for their keys before the PDL wait; same bits),
-"router-splitN" (the router gate's K in N ranges: other bits, timing only), "matmul-pfNk"
-(each dense matmul program asks L2 for up to N KiB of its weights before the PDL wait instead
-of `invariant.PREFETCH_BYTES`; same bits).
+launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" (the
+MoE's step loop not unrolled / two weight steps in flight; same bits), "moe-split8" (the up
+projection's K in 8 ranges: other bits, timing only), "router-splitN" (the router gate's K in N
+ranges: other bits, timing only), "matmul-pfNk" (each dense matmul program asks L2 for up to N
+KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`; same bits).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -58,7 +55,7 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend, invariant, moe_v3, pdl, router, tree_attn_invariant  # noqa: E402
+from ddserve.kernels import backend, invariant, moe_v3, pdl, router  # noqa: E402
 from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
@@ -68,8 +65,8 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-l2pf", "moe-split8",
-            "moe-split8-l2pf", "attn-decode-prefetch", "router-split14", "router-split28",
+            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-split8", "router-split14",
+            "router-split28",
             "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
 
 CATEGORIES = (
@@ -362,8 +359,7 @@ def variant(runner, name: str):
     """The runner's kernel configuration, the PDL prefetches and the model's switches set for one
     launch variant, and restored after it."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
-    router_config, decode_prefetch = router.router_config, tree_attn_invariant.DECODE_TILE_PREFETCH
-    matmul_pf = invariant.PREFETCH_BYTES
+    router_config, matmul_pf = router.router_config, invariant.PREFETCH_BYTES
     moe_config = dict(moe_v3.CONFIG)
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
@@ -379,12 +375,8 @@ def variant(runner, name: str):
         moe_v3.CONFIG["UNROLL"] = False
     elif name == "moe-depth2":
         moe_v3.CONFIG["DEPTH"] = 2
-    elif name.startswith("moe-split8"):  # other bits: the up projection's K in 8 ranges
-        moe_v3.CONFIG.update(SPLIT=8, PF=name.endswith("-l2pf"))
-    elif name == "moe-l2pf":
-        moe_v3.CONFIG["PF"] = True
-    elif name == "attn-decode-prefetch":
-        tree_attn_invariant.DECODE_TILE_PREFETCH = True
+    elif name == "moe-split8":  # other bits: the up projection's K in 8 ranges
+        moe_v3.CONFIG["SPLIT"] = 8
     elif name.startswith("matmul-pf"):
         invariant.PREFETCH_BYTES = int(name.removeprefix("matmul-pf").removesuffix("k")) << 10
     elif name.startswith("router-split"):
@@ -398,12 +390,8 @@ def variant(runner, name: str):
         yield
     finally:
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
-        router.router_config, tree_attn_invariant.DECODE_TILE_PREFETCH = (
-            router_config,
-            decode_prefetch,
-        )
+        router.router_config, invariant.PREFETCH_BYTES = router_config, matmul_pf
         moe_v3.CONFIG.update(moe_config)
-        invariant.PREFETCH_BYTES = matmul_pf
         for mod, fused in attention:
             mod.latent_fusion = fused
 

@@ -145,7 +145,7 @@ def _w4_gemm_kernel(
     TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
     SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr,
-    PDL: gl.constexpr, PF: gl.constexpr = False,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     pdl_begin(PDL)
     pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
@@ -154,7 +154,7 @@ def _w4_gemm_kernel(
         return
     _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK, GATHER, W, NREP,
-           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL, PF)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -164,7 +164,7 @@ def _w4_up_silu_kernel(
     stride_x, stride_ps, stride_pr, stride_h, expert_words, expert_scales,
     TOPK: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
     KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, SPLIT: gl.constexpr, DEPTH: gl.constexpr,
-    UNROLL: gl.constexpr, PDL: gl.constexpr, PF: gl.constexpr = False,
+    UNROLL: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """The up projection (N = 2 I, I a multiple of BN) into part[SPLIT, rows, N] fp32, then
     h[rows, I] = silu(gate) * up in bf16 by the last program of each (block, gate n-tile) unit;
@@ -177,7 +177,7 @@ def _w4_up_silu_kernel(
     # (tw_ptr = part_ptr: the up projection does not read top-k weights)
     _tiles(x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, part_ptr, e, pid_m, pid_s, pid_n, num_pairs,
            N, K, stride_x, stride_ps, stride_pr, expert_words, expert_scales, TOPK, True, W, NREP,
-           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL, PF)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL)  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     units = N // (2 * BN)  # gate n-tiles per block (the host checks I % BN == 0)
     unit = pid_m * units + pid_n % units
@@ -219,11 +219,9 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK: gl.constexpr,
            GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
            KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr, DOWN: gl.constexpr,
-           DEPTH: gl.constexpr, UNROLL: gl.constexpr, PF: gl.constexpr = False):  # fmt: skip
+           DEPTH: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
     """One program's work: block pid_m (expert e), K range pid_s, n-tiles pid_n NT .. + NT - 1,
-    each stored as it completes (`_store`). PF: first ask L2 for every line of the program's
-    weights and scales (`_prefetch_lines`), so that the steps' loads, each issued about one step
-    before it is read, wait on L2 rather than on HBM."""
+    each stored as it completes (`_store`)."""
     BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
     R: gl.constexpr = NREP * KC  # words per thread per step
@@ -252,9 +250,6 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     s_base = s_ptr + e.to(gl.int64) * expert_scales + tile0.to(gl.int64) * NS
     w_off = gl.arange(0, NW, layout=w_l)
     s_off = gl.arange(0, NS, layout=s_l)
-    if PF:  # 128-byte lines: NW * 4 / 128 per step of weights (int32 words), NS * 2 / 128 of scales
-        _prefetch_lines(w_base, NT * KSTEPS * NW // 32, 32, W)
-        _prefetch_lines(s_base, NT * KSTEPS * NS // 64, 64, W)
     # the block's output rows, once: each n-tile's store reads them without a load of its own
     row_o = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
     pair_o = gl.load(pairs_ptr + row_o)
@@ -280,22 +275,6 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
                                 col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
                                 num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
                                 DOWN, DEPTH)  # fmt: skip
-
-
-@gluon.constexpr_function
-def _pow2(n):
-    return 1 << (int(n) - 1).bit_length()
-
-
-@gluon.jit
-def _prefetch_lines(base, LINES: gl.constexpr, STEP: gl.constexpr, W: gl.constexpr):
-    """Ask L2 for LINES 128-byte lines from `base` (STEP elements each); nothing waits on them."""
-    PAD: gl.constexpr = _pow2(LINES)
-    lay: gl.constexpr = gl.BlockedLayout([max(PAD // (32 * W), 1)], [32], [W], [0])
-    line = gl.arange(0, PAD, layout=lay)
-    ptrs = gl.where(line < LINES, base + line * STEP, base)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit

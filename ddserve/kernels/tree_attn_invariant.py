@@ -488,9 +488,6 @@ SMALL_BM_PROGRAMS = 640
 # stream's 17-token tree over 1k keys, 81 programs: 29.3 / 23.3 us; with 45 programs in the
 # profiler's forward, whose table is narrower, 2.9 us more per layer).
 PART_PROGRAMS = 72
-# Decode calls with a tile per program ask L2 for their tile's keys before the PDL wait, as
-# verify calls do (off: being measured, `profile_step.py --variants attn-decode-prefetch`).
-DECODE_TILE_PREFETCH = False
 # Groups the merge sums per run by its pairwise tree (part of a row's arithmetic: the default of
 # every call). 4 against 8 and 16: one stream decoding over 8k keys with a tile per program 26.8
 # / 29.2 / 36.6 us; with a group per program the same within 0.6 us.
@@ -579,8 +576,7 @@ def tree_mla_attention_invariant(
     esize = kv_cache.element_size()
     verify = q_max > 1 and not backend.in_prefill_phase()
     aligned = kv_cache.data_ptr() % 128 == 0 and kv_cache.stride(0) * esize % 128 == 0
-    tile_decode = DECODE_TILE_PREFETCH and leaves > 1 and not backend.in_prefill_phase()
-    if launch["PDL"] and "attention" in pdl.PREFETCH and (verify or tile_decode) and aligned:
+    if launch["PDL"] and "attention" in pdl.PREFETCH and verify and aligned:
         lines = triton.cdiv(kv_cache.shape[1] * esize, 128)
     _tree_attn_inv_kernel[(nblocks * tiles, nsplit)](
         q_latent, q_rope, kv_cache, out, po, plse, pl,
