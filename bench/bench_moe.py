@@ -38,8 +38,6 @@ VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwis
     ("v3-silu-2launch", {**V3, "FUSED_SILU": False}, True),
     ("v3-rolled", {**V3, "UNROLL": False}, True),  # the step loop never unrolled (same bits)
     ("v3-depth2", {**V3, "DEPTH": 2}, True),  # two weight steps in flight (same bits)
-    ("v3-rs1", {**V3, "RS": 1}, True),  # an up n-tile's rows in one program (same bits)
-    ("v3-rs2", {**V3, "RS": 2}, True),  # in two programs at every T (same bits)
     ("v3-bm8", {**V3, "BM": 8}, True),
     ("v3-bm16", {**V3, "BM": 16}, True),
     ("v3-bm32", {**V3, "BM": 32}, True),

@@ -23,13 +23,11 @@ under several kernel launch variants in one process (same weights, same inputs):
 attention), "no-prefetch", "no-pdl", "no-side-stream" (the MoE's shared expert on the main
 stream), "side-first" (the shared expert's branch forked before the router instead of after
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
-launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" /
-"moe-rs-auto" (the MoE's step loop not unrolled / two weight steps in flight / an up n-tile's
-rows over two programs where the launch has at most one program per SM; same bits),
-"moe-split8" (the up projection's K in 8 ranges: other bits, timing only), "router-splitN" (the
-router gate's K in N ranges: other bits, timing only), "matmul-pfNk" (each dense matmul program
-asks L2 for up to N KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`;
-same bits).
+launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" (the
+MoE's step loop not unrolled / two weight steps in flight; same bits), "moe-split8" (the up
+projection's K in 8 ranges: other bits, timing only), "router-splitN" (the router gate's K in N
+ranges: other bits, timing only), "matmul-pfNk" (each dense matmul program asks L2 for up to N
+KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`; same bits).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -67,9 +65,9 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-rs-auto", "moe-split8",
-            "router-split14", "router-split28", "matmul-pf64k", "matmul-pf128k",
-            "matmul-pf256k")  # fmt: skip
+            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-split8", "router-split14",
+            "router-split28",
+            "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -377,8 +375,6 @@ def variant(runner, name: str):
         moe_v3.CONFIG["UNROLL"] = False
     elif name == "moe-depth2":
         moe_v3.CONFIG["DEPTH"] = 2
-    elif name == "moe-rs-auto":
-        moe_v3.CONFIG["RS"] = "auto"
     elif name == "moe-split8":  # other bits: the up projection's K in 8 ranges
         moe_v3.CONFIG["SPLIT"] = 8
     elif name.startswith("matmul-pf"):

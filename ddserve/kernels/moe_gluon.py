@@ -29,10 +29,9 @@ at the step's start and the next weights at its end, so a lone warp waits on mem
 SiLU-and-mul in the up launch (`_w4_up_silu_kernel`): h[:, c] needs the gate column c and the up
 column I + c of all SPLIT ranges. With I a multiple of BN, n-tile j < I / BN holds gate columns
 and n-tile j + I / BN the matching up columns, so the unit (block, j) is complete after exactly
-2 SPLIT programs: (block, s, j) and (block, s, j + I / BN) for s < SPLIT, or 2 SPLIT RS when RS
-programs share each n-tile's rows (`_tiles`). Each of them stores its partial, then takes an
-int32 ticket for the unit (atomic add, acq_rel, gpu scope); the one that draws the last ticket
-reads the unit's 2 SPLIT partial tiles back from L2 (.cg), sums
+2 SPLIT programs: (block, s, j) and (block, s, j + I / BN) for s < SPLIT. Each of them stores
+its partial, then takes an int32 ticket for the unit (atomic add, acq_rel, gpu scope); the one
+that draws ticket 2 SPLIT - 1 reads the unit's 2 SPLIT partial tiles back from L2 (.cg), sums
 them in split order and applies `_silu_kernel`'s formula (the same operations on the same
 values: the same bits), stores h in bf16 and resets the ticket to 0 for the next launch or
 graph replay (the caller's tickets are all 0 between launches, `moe_v3._Tickets`).
@@ -155,7 +154,7 @@ def _w4_gemm_kernel(
         return
     _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK, GATHER, W, NREP,
-           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL, 0, 1)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -165,29 +164,26 @@ def _w4_up_silu_kernel(
     stride_x, stride_ps, stride_pr, stride_h, expert_words, expert_scales,
     TOPK: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
     KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, SPLIT: gl.constexpr, DEPTH: gl.constexpr,
-    UNROLL: gl.constexpr, PDL: gl.constexpr, RS: gl.constexpr = 1,
+    UNROLL: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """The up projection (N = 2 I, I a multiple of BN) into part[SPLIT, rows, N] fp32, then
     h[rows, I] = silu(gate) * up in bf16 by the last program of each (block, gate n-tile) unit;
-    ticket[block * I / BN + j] counts the unit's arrivals (0 before and after the launch).
-    RS (1 or NREP): programs per n-tile, each computing NREP / RS of its row repetitions
-    (`_tiles`); the unit is then complete after 2 SPLIT RS programs."""
+    ticket[block * I / BN + j] counts the unit's arrivals (0 before and after the launch)."""
     pdl_begin(PDL)
-    pid_m, pid_s, pid_nr = _program_ids(num_mblocks, SPLIT)
-    pid_n, pid_r = pid_nr // RS, pid_nr % RS
+    pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
     e = gl.load(bexp_ptr + pid_m)
     if e >= num_experts:
         return
     # (tw_ptr = part_ptr: the up projection does not read top-k weights)
     _tiles(x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, part_ptr, e, pid_m, pid_s, pid_n, num_pairs,
            N, K, stride_x, stride_ps, stride_pr, expert_words, expert_scales, TOPK, True, W, NREP,
-           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL, pid_r, RS)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL)  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     units = N // (2 * BN)  # gate n-tiles per block (the host checks I % BN == 0)
     unit = pid_m * units + pid_n % units
     gl.thread_barrier()  # every thread's partial stored before the ticket is taken
     ticket = gl.atomic_add(ticket_ptr + unit, 1, sem="acq_rel")  # arrivals before this one
-    if ticket == 2 * SPLIT * RS - 1:  # the unit's other programs have stored theirs
+    if ticket == 2 * SPLIT - 1:  # the unit's other programs have stored theirs
         _silu_unit(part_ptr, h_ptr, pairs_ptr, pid_m, pid_n % units, num_pairs, N // 2,
                    stride_ps, stride_pr, stride_h, W, BM, BN, SPLIT)  # fmt: skip
         gl.store(ticket_ptr + unit, 0)  # clean for the next launch (or graph replay)
@@ -223,22 +219,18 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK: gl.constexpr,
            GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
            KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr, DOWN: gl.constexpr,
-           DEPTH: gl.constexpr, UNROLL: gl.constexpr, pid_r, RS: gl.constexpr):  # fmt: skip
+           DEPTH: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
     """One program's work: block pid_m (expert e), K range pid_s, n-tiles pid_n NT .. + NT - 1,
-    each stored as it completes (`_store`). RS > 1: the program computes only the row
-    repetitions pid_r NR .. + NR - 1 of each n-tile (NR = NREP / RS; rows rep 16 W .. + 16 W
-    - 1 each), reading its threads' words and scales of those repetitions from the NREP
-    stream: the same MMAs on the same operands as the program that computes them all."""
-    NR: gl.constexpr = NREP // RS  # row repetitions computed here
-    BN: gl.constexpr = 16 * W * NR  # rows computed per n-tile
+    each stored as it completes (`_store`)."""
+    BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
-    R: gl.constexpr = NR * KC  # words per thread per step
-    NW: gl.constexpr = 32 * W * NREP * KC  # stream words per step (= 16 W NREP * BK / 8)
-    NS: gl.constexpr = 32 * W * NREP * 2  # stream scales per step (= 16 W NREP * BK / 32)
+    R: gl.constexpr = NREP * KC  # words per thread per step
+    NW: gl.constexpr = 32 * W * R  # words per step (= BN * BK / 8)
+    NS: gl.constexpr = 32 * W * NREP * 2  # scales per step (= BN * BK / 32)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
     w_l: gl.constexpr = gl.BlockedLayout([R], [32], [W], [0])
-    s_l: gl.constexpr = gl.BlockedLayout([2 * NR], [32], [W], [0])
+    s_l: gl.constexpr = gl.BlockedLayout([2 * NREP], [32], [W], [0])
     x_l: gl.constexpr = _x_layout(W, BM)
 
     # x rows of this block (token gather for the up projection, block rows for the down)
@@ -256,14 +248,10 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     tile0 = (pid_n * NT) * KS_TOTAL + pid_s * KSTEPS
     w_base = w_ptr + e.to(gl.int64) * expert_words + tile0.to(gl.int64) * NW
     s_base = s_ptr + e.to(gl.int64) * expert_scales + tile0.to(gl.int64) * NS
-    w_off = gl.arange(0, 32 * W * R, layout=w_l)
-    s_off = gl.arange(0, 32 * W * 2 * NR, layout=s_l)
-    if RS > 1:  # thread i's words (scales) of these repetitions, in its run of the whole step's
-        w_off = (w_off // R) * (NREP * KC) + pid_r * R + w_off % R
-        s_off = (s_off // (2 * NR)) * (2 * NREP) + pid_r * (2 * NR) + s_off % (2 * NR)
+    w_off = gl.arange(0, NW, layout=w_l)
+    s_off = gl.arange(0, NS, layout=s_l)
     # the block's output rows, once: each n-tile's store reads them without a load of its own
     row_o = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    n_base = pid_r * BN  # this program's first row within each n-tile
     pair_o = gl.load(pairs_ptr + row_o)
     if DOWN:  # the pairs' top-k weights
         wt_o = gl.load(tw_ptr + pair_o, mask=pair_o < num_pairs, other=0.0)
@@ -280,28 +268,26 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
             acc, w1, w2 = _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid,
                                 col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
                                 num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
-                                DOWN, DEPTH, n_base, RS)  # fmt: skip
+                                DOWN, DEPTH)  # fmt: skip
     else:
         for t in range(NT * KSTEPS):
             acc, w1, w2 = _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid,
                                 col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
                                 num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
-                                DOWN, DEPTH, n_base, RS)  # fmt: skip
+                                DOWN, DEPTH)  # fmt: skip
 
 
 @gluon.jit
 def _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid, col, k_lo, K,
           out_ptr, row_o, pair_o, wt_o, pid_s, pid_n, num_pairs, N, stride_os, stride_or,
           W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr, KSTEPS: gl.constexpr,
-          NT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, n_base,
-          RS: gl.constexpr):  # fmt: skip
+          NT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
     """Step t of `_tiles`: the next weights in flight, this step's MMA, the n-tile stored when
     complete. Returns (acc, w1, w2) for step t + 1."""
-    NR: gl.constexpr = NREP // RS
-    BN: gl.constexpr = 16 * W * NR
+    BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
-    R: gl.constexpr = NR * KC
-    NW: gl.constexpr = 32 * W * NREP * KC
+    R: gl.constexpr = NREP * KC
+    NW: gl.constexpr = 32 * W * R
     NS: gl.constexpr = 32 * W * NREP * 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
                                                   instr_shape=[16, 8])  # fmt: skip
@@ -316,30 +302,29 @@ def _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid, col
     else:
         w1 = gl.load(w_base + nxt * NW + w_off)
     sc = gl.load(s_base + t * NS + s_off).to(gl.int16, bitcast=True)
-    sc = gl.reshape(sc, [32 * W * NR, 2])
+    sc = gl.reshape(sc, [NS // 2, 2])
     s0, s1 = gl.split(sc)  # rows +0 / +8 of each rep
     s0 = gl.convert_layout(_dup(s0, 3), w_l, assert_trivial=True)
     s1 = gl.convert_layout(_dup(s1, 3), w_l, assert_trivial=True)
-    a = _a_tile(wc, s0, s1, a_l, W, NR, KC)
+    a = _a_tile(wc, s0, s1, a_l, W, NREP, KC)
     kb = (t % KSTEPS) * BK
     x_ok = valid & gl.expand_dims(col + (k_lo + kb) < K, 0)
     b = _x_tile(x_ptr, x_off, x_ok, kb, b_l, BM)
     acc = mma_v2(a, b, acc)
     if t % KSTEPS == KSTEPS - 1:  # n-tile done: store it
-        n0 = (pid_n * NT + t // KSTEPS) * (16 * W * NREP) + n_base
-        _store(acc, out_ptr, row_o, pair_o, wt_o, pid_s, n0, num_pairs, N, stride_os, stride_or,
+        nt = pid_n * NT + t // KSTEPS
+        _store(acc, out_ptr, row_o, pair_o, wt_o, pid_s, nt, num_pairs, N, stride_os, stride_or,
                mma, BN, DOWN)  # fmt: skip
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     return acc, w1, w2
 
 
 @gluon.jit
-def _store(acc, out_ptr, row, pair, wt, pid_s, n0, num_pairs, N, stride_os, stride_or,
+def _store(acc, out_ptr, row, pair, wt, pid_s, nt, num_pairs, N, stride_os, stride_or,
            mma: gl.constexpr, BN: gl.constexpr, DOWN: gl.constexpr):  # fmt: skip
-    """Store output features n0 .. n0 + BN - 1 of the block: `row` its rows, `pair` their pairs,
-    `wt` (DOWN) the pairs' top-k weights, all [BM] in the accumulator's column layout, loaded
-    once per program."""
-    n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    """Store n-tile nt of the block: `row` its rows, `pair` their pairs, `wt` (DOWN) the pairs'
+    top-k weights, all [BM] in the accumulator's column layout, loaded once per program."""
+    n = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     ok = gl.expand_dims(n < N, 1) & gl.expand_dims(pair < num_pairs, 0)
     if DOWN:  # y [P, N]: the pair's row, times its top-k weight
         val = acc * gl.expand_dims(wt, 0)

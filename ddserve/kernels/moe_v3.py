@@ -48,12 +48,8 @@ from ddserve.kernels.moe_w4_repack import (
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
 # W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
 # up GEMM's launch instead of a launch of its own (same bits). UNROLL: the step loop unrolled
-# ("auto": `_unroll`; same bits). RS: programs per up n-tile, each computing NREP / RS of its
-# row repetitions ("auto": `pick_rs`; same bits; 1 until measured on a GPU). The bench overrides
-# any key.
-CONFIG = dict(
-    W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True, RS=1
-)
+# ("auto": `_unroll`; same bits). The bench overrides any key.
+CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True)
 log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
@@ -155,7 +151,7 @@ def _config(overrides: dict | None) -> dict:
     cfg = dict(CONFIG, **(overrides or {}))
     allowed = dict(
         W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2),
-        UNROLL=("auto", False, True), FUSED_SILU=(False, True), RS=("auto", 1, 2, 4),
+        UNROLL=("auto", False, True), FUSED_SILU=(False, True),
     )  # fmt: skip
     for key, values in allowed.items():
         if cfg[key] not in values:
@@ -212,19 +208,6 @@ def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
     return 1
 
 
-def pick_rs(cfg: dict, programs: int, nrep: int, sms: int) -> int:
-    """Programs per up n-tile (the fused up launch): NREP, one row repetition each, when the
-    launch would otherwise have at most one program per SM (one token: 8 blocks x 4 n-tiles x
-    4 K ranges = 128 programs of 4 warps), else 1. Each program then computes 16 W rows of an
-    n-tile instead of 16 W NREP: twice the warps to issue from for the same bytes, and the
-    same MMAs on the same operands (the same bits)."""
-    if cfg["RS"] != "auto":
-        if nrep % cfg["RS"]:
-            raise ValueError(f"MoE v3 config: RS={cfg['RS']} does not divide NREP={nrep}")
-        return cfg["RS"]
-    return nrep if programs <= sms else 1
-
-
 def fuses_silu(cfg: dict, inter: int, up_tile_rows: int) -> bool:
     """Whether the up GEMM's launch also applies SiLU-and-mul: asked for (FUSED_SILU) and every
     up n-tile holds gate columns only or up columns only (I a multiple of the tile's rows), so a
@@ -276,8 +259,7 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
     from ddserve.kernels.moe_gluon import _w4_up_silu_kernel
 
     ks = w13.k_steps
-    rs = pick_rs(cfg, nb * split * w13.n_tiles, w13.nrep, num_sms(x.device))
-    grid = nb * split * w13.n_tiles * rs
+    grid = nb * split * w13.n_tiles
     units = nb * (w13.n // 2) // w13.bn  # (block, gate n-tile)
     # one ticket table per device: routed experts run on the main stream only
     assert not backend.on_side_stream(), "the routed MoE does not run inside a side branch"
@@ -288,10 +270,10 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
         x.stride(0), part.stride(0), part.stride(1), h.stride(0), w13.words.stride(0),
         w13.scales.stride(0),
         TOPK=topk, W=w13.w, NREP=w13.nrep, BM=cfg["BM"], KS_TOTAL=ks, KSTEPS=ks // split,
-        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), RS=rs,
-        num_warps=w13.w, **launch,
+        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), num_warps=w13.w,
+        **launch,
     )  # fmt: skip
-    _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True, rs=rs)
+    _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True)
     return k
 
 

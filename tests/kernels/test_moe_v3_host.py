@@ -26,17 +26,6 @@ def test_down_tiles_per_program_keep_two_programs_per_sm() -> None:
     assert moe_v3.pick_nt(57, 300, 132) == 1  # 4 and 2 do not divide the tiles
 
 
-def test_up_rows_split_over_programs_only_below_one_program_per_sm() -> None:
-    cfg = moe_v3._config({"RS": "auto"})
-    assert moe_v3.pick_rs(cfg, 128, 2, 132) == 2  # T = 1: 8 blocks x 4 n-tiles x 4 K ranges
-    assert moe_v3.pick_rs(cfg, 256, 2, 132) == 1  # T = 2
-    assert moe_v3.pick_rs(cfg, 128, 1, 132) == 1  # one repetition: nothing to split
-    assert moe_v3.pick_rs(moe_v3._config({"RS": 1}), 128, 2, 132) == 1
-    assert moe_v3.pick_rs(moe_v3._config({"RS": 2}), 4096, 2, 132) == 2
-    with pytest.raises(ValueError, match="RS=4 does not divide NREP=2"):
-        moe_v3.pick_rs(moe_v3._config({"RS": 4}), 128, 2, 132)
-
-
 def test_config_keys_and_values_are_checked() -> None:
     assert moe_v3._config(None) == moe_v3.CONFIG
     assert moe_v3._config({"BM": 16})["BM"] == 16
@@ -166,10 +155,8 @@ def _float_ops_per_element(ptx: str, elements: int) -> dict[str, float]:
     return {name: n / elements for name, n in sorted(counts.items())}
 
 
-@pytest.mark.parametrize("rs", [1, 2])
-def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol(rs: int) -> None:
-    """`_w4_up_silu_kernel` at K2.6 shapes (BM 8, SPLIT 4; an n-tile's rows in one program, or
-    in two: RS 2), compiled for sm_90 on the CPU: the
+def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol() -> None:
+    """`_w4_up_silu_kernel` at K2.6 shapes (BM 8, SPLIT 4), compiled for sm_90 on the CPU: the
     PDL wait comes before any memory access; every thread's partial stores, then a CTA barrier,
     then one acq_rel gpu-scope atomic add (the ticket); after it the partials are read from L2
     (.cg) only, and the ticket reset is the last store. Per h element, the epilogue's fp32
@@ -184,8 +171,7 @@ def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol(rs: int) -> No
     ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_ps",
             "stride_pr", "stride_h", "expert_words", "expert_scales")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
-    consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True,
-                  RS=rs)  # fmt: skip
+    consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True)
     ptx = _sm90_ptx(_w4_up_silu_kernel, sig, consts, warps=4)
     ptx = ptx[: ptx.find(".section\t.debug")] if ".section\t.debug" in ptx else ptx
     wait = ptx.find("griddepcontrol.wait")
