@@ -38,6 +38,10 @@ VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwis
     ("v3-silu-2launch", {**V3, "FUSED_SILU": False}, True),
     ("v3-rolled", {**V3, "UNROLL": False}, True),  # the step loop never unrolled (same bits)
     ("v3-depth2", {**V3, "DEPTH": 2}, True),  # two weight steps in flight (same bits)
+    ("v3-pfa2", {**V3, "PFA": 2}, True),  # each step asks L2 for step + 2's lines (same bits)
+    ("v3-pfa3", {**V3, "PFA": 3}, True),
+    ("v3-pfa4", {**V3, "PFA": 4}, True),
+    ("v3-pfa6", {**V3, "PFA": 6}, True),
     ("v3-bm8", {**V3, "BM": 8}, True),
     ("v3-bm16", {**V3, "BM": 16}, True),
     ("v3-bm32", {**V3, "BM": 32}, True),

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT_INTS = ("num_pairs", "num_mblocks")  # runtime ints the kernels do not specialise
-OPTIONAL = dict(UNROLL=False)  # constexprs of kernel versions that have them (their defaults)
+OPTIONAL = dict(UNROLL=False, PFA=0)  # constexprs of kernel versions that have them (defaults)
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 REG = re.compile(r"\bR(\d+)\b")
 

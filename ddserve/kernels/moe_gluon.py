@@ -145,7 +145,7 @@ def _w4_gemm_kernel(
     TOPK: gl.constexpr, GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr,
     BM: gl.constexpr, KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr,
     SPLIT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr,
-    PDL: gl.constexpr,
+    PDL: gl.constexpr, PFA: gl.constexpr = 0,
 ):  # fmt: skip
     pdl_begin(PDL)
     pid_m, pid_s, pid_n = _program_ids(num_mblocks, SPLIT)
@@ -154,7 +154,7 @@ def _w4_gemm_kernel(
         return
     _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid_n, num_pairs, N,
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK, GATHER, W, NREP,
-           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, NT, DOWN, DEPTH, UNROLL, PFA)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["num_pairs", "num_mblocks"])
@@ -164,7 +164,7 @@ def _w4_up_silu_kernel(
     stride_x, stride_ps, stride_pr, stride_h, expert_words, expert_scales,
     TOPK: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
     KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, SPLIT: gl.constexpr, DEPTH: gl.constexpr,
-    UNROLL: gl.constexpr, PDL: gl.constexpr,
+    UNROLL: gl.constexpr, PDL: gl.constexpr, PFA: gl.constexpr = 0,
 ):  # fmt: skip
     """The up projection (N = 2 I, I a multiple of BN) into part[SPLIT, rows, N] fp32, then
     h[rows, I] = silu(gate) * up in bf16 by the last program of each (block, gate n-tile) unit;
@@ -177,7 +177,7 @@ def _w4_up_silu_kernel(
     # (tw_ptr = part_ptr: the up projection does not read top-k weights)
     _tiles(x_ptr, w_ptr, s_ptr, part_ptr, pairs_ptr, part_ptr, e, pid_m, pid_s, pid_n, num_pairs,
            N, K, stride_x, stride_ps, stride_pr, expert_words, expert_scales, TOPK, True, W, NREP,
-           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL)  # fmt: skip
+           BM, KS_TOTAL, KSTEPS, 1, False, DEPTH, UNROLL, PFA)  # fmt: skip
     BN: gl.constexpr = 16 * W * NREP
     units = N // (2 * BN)  # gate n-tiles per block (the host checks I % BN == 0)
     unit = pid_m * units + pid_n % units
@@ -219,7 +219,7 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
            K, stride_x, stride_os, stride_or, expert_words, expert_scales, TOPK: gl.constexpr,
            GATHER: gl.constexpr, W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr,
            KS_TOTAL: gl.constexpr, KSTEPS: gl.constexpr, NT: gl.constexpr, DOWN: gl.constexpr,
-           DEPTH: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
+           DEPTH: gl.constexpr, UNROLL: gl.constexpr, PFA: gl.constexpr = 0):  # fmt: skip
     """One program's work: block pid_m (expert e), K range pid_s, n-tiles pid_n NT .. + NT - 1,
     each stored as it completes (`_store`)."""
     BN: gl.constexpr = 16 * W * NREP
@@ -258,6 +258,8 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
     else:
         wt_o = pair_o  # (unused)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    for a in gl.static_range(1, PFA + 1):  # PFA > 0: steps 1 .. PFA asked from L2 first
+        _prefetch_step(w_base, s_base, gl.minimum(a, NT * KSTEPS - 1), NW, NS, W)
     w1 = gl.load(w_base + w_off)  # steps 0 (and 1) in flight before the loop
     if DEPTH == 2:
         w2 = gl.load(w_base + gl.minimum(1, NT * KSTEPS - 1) * NW + w_off)
@@ -268,22 +270,43 @@ def _tiles(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, tw_ptr, e, pid_m, pid_s, pid
             acc, w1, w2 = _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid,
                                 col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
                                 num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
-                                DOWN, DEPTH)  # fmt: skip
+                                DOWN, DEPTH, PFA)  # fmt: skip
     else:
         for t in range(NT * KSTEPS):
             acc, w1, w2 = _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid,
                                 col, k_lo, K, out_ptr, row_o, pair_o, wt_o, pid_s, pid_n,
                                 num_pairs, N, stride_os, stride_or, W, NREP, BM, KSTEPS, NT,
-                                DOWN, DEPTH)  # fmt: skip
+                                DOWN, DEPTH, PFA)  # fmt: skip
+
+
+@gluon.jit
+def _prefetch_step(w_base, s_base, step, NW: gl.constexpr, NS: gl.constexpr, W: gl.constexpr):
+    """Ask L2 for step `step`'s 128-byte lines: NW / 32 of weights (int32 words), NS / 64 of
+    scales (bf16), one line per thread (threads past them ask for the step's first line again).
+    Nothing waits on them."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    line = gl.arange(0, 32 * W, layout=lay)
+    w_row = w_base + step * NW
+    s_row = s_base + step * NS
+    _prefetch_l2(gl.where(line < NW // 32, w_row + line * 32, w_row))
+    _prefetch_l2(gl.where(line < NS // 64, s_row + line * 64, s_row))
+
+
+@gluon.jit
+def _prefetch_l2(ptrs):
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
 def _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid, col, k_lo, K,
           out_ptr, row_o, pair_o, wt_o, pid_s, pid_n, num_pairs, N, stride_os, stride_or,
           W: gl.constexpr, NREP: gl.constexpr, BM: gl.constexpr, KSTEPS: gl.constexpr,
-          NT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
+          NT: gl.constexpr, DOWN: gl.constexpr, DEPTH: gl.constexpr,
+          PFA: gl.constexpr = 0):  # fmt: skip
     """Step t of `_tiles`: the next weights in flight, this step's MMA, the n-tile stored when
-    complete. Returns (acc, w1, w2) for step t + 1."""
+    complete. Returns (acc, w1, w2) for step t + 1. PFA > 0: step t + PFA's weight and scale
+    lines are first asked from L2 (`_prefetch_step`; the last steps ask for the last again)."""
     BN: gl.constexpr = 16 * W * NREP
     KC: gl.constexpr = BK // 16
     R: gl.constexpr = NREP * KC
@@ -294,6 +317,8 @@ def _step(t, acc, w1, w2, w_base, w_off, s_base, s_off, x_ptr, x_off, valid, col
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     w_l: gl.constexpr = gl.BlockedLayout([R], [32], [W], [0])
+    if PFA > 0:
+        _prefetch_step(w_base, s_base, gl.minimum(t + PFA, NT * KSTEPS - 1), NW, NS, W)
     wc = w1
     nxt = gl.minimum(t + DEPTH, NT * KSTEPS - 1)  # (the last steps reload a tile: L2 hits)
     if DEPTH == 2:

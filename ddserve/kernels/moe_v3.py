@@ -48,8 +48,11 @@ from ddserve.kernels.moe_w4_repack import (
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
 # W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
 # up GEMM's launch instead of a launch of its own (same bits). UNROLL: the step loop unrolled
-# ("auto": `_unroll`; same bits). The bench overrides any key.
-CONFIG = dict(W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True)
+# ("auto": `_unroll`; same bits). PFA: steps ahead whose lines each step asks from L2 (0: none;
+# same bits; 0 until measured on a GPU). The bench overrides any key.
+CONFIG = dict(
+    W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True, PFA=0
+)
 log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
@@ -151,7 +154,7 @@ def _config(overrides: dict | None) -> dict:
     cfg = dict(CONFIG, **(overrides or {}))
     allowed = dict(
         W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2),
-        UNROLL=("auto", False, True), FUSED_SILU=(False, True),
+        UNROLL=("auto", False, True), FUSED_SILU=(False, True), PFA=(0, 1, 2, 3, 4, 6),
     )  # fmt: skip
     for key, values in allowed.items():
         if cfg[key] not in values:
@@ -270,8 +273,8 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
         x.stride(0), part.stride(0), part.stride(1), h.stride(0), w13.words.stride(0),
         w13.scales.stride(0),
         TOPK=topk, W=w13.w, NREP=w13.nrep, BM=cfg["BM"], KS_TOTAL=ks, KSTEPS=ks // split,
-        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), num_warps=w13.w,
-        **launch,
+        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), PFA=cfg["PFA"],
+        num_warps=w13.w, **launch,
     )  # fmt: skip
     _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True)
     return k
@@ -292,7 +295,7 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         x.stride(0), stride_os, stride_or, stream.words.stride(0), stream.scales.stride(0),
         TOPK=topk, GATHER=gather, W=stream.w, NREP=stream.nrep, BM=cfg["BM"], KS_TOTAL=ks,
         KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"],
-        UNROLL=_unroll(cfg, nt * (ks // split)), num_warps=stream.w,
+        UNROLL=_unroll(cfg, nt * (ks // split)), PFA=cfg["PFA"], num_warps=stream.w,
         **launch,
     )  # fmt: skip
     _record("down" if down else "up", k, grid, stream.w, split=split, nt=nt,

@@ -155,8 +155,10 @@ def _float_ops_per_element(ptx: str, elements: int) -> dict[str, float]:
     return {name: n / elements for name, n in sorted(counts.items())}
 
 
-def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol() -> None:
-    """`_w4_up_silu_kernel` at K2.6 shapes (BM 8, SPLIT 4), compiled for sm_90 on the CPU: the
+@pytest.mark.parametrize("pfa", [0, 3])
+def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol(pfa: int) -> None:
+    """`_w4_up_silu_kernel` at K2.6 shapes (BM 8, SPLIT 4; without and with the L2 asks of the
+    step PFA ahead), compiled for sm_90 on the CPU: the
     PDL wait comes before any memory access; every thread's partial stores, then a CTA barrier,
     then one acq_rel gpu-scope atomic add (the ticket); after it the partials are read from L2
     (.cg) only, and the ticket reset is the last store. Per h element, the epilogue's fp32
@@ -171,8 +173,10 @@ def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol() -> None:
     ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_ps",
             "stride_pr", "stride_h", "expert_words", "expert_scales")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
-    consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True)
+    consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True,
+                  PFA=pfa)  # fmt: skip
     ptx = _sm90_ptx(_w4_up_silu_kernel, sig, consts, warps=4)
+    assert ptx.count("prefetch.global.L2") == 2 * (pfa + 1 if pfa else 0)  # steps 1..PFA, loop
     ptx = ptx[: ptx.find(".section\t.debug")] if ".section\t.debug" in ptx else ptx
     wait = ptx.find("griddepcontrol.wait")
     first_mem = re.search(r"\b(ld\.global|st\.global|atom\.|red\.)", ptx).start()
