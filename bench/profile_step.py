@@ -25,7 +25,7 @@ stream), "side-first" (the shared expert's branch forked before the router inste
 it: `side_first_moe_forward`), "no-latent-fusion" (`MLA.latent_fusion` off: q_a_layernorm in a
 launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe-depth2" /
 "moe-pfaN" (the MoE's step loop not unrolled / two weight steps in flight / each step asks L2
-for the lines of the step N ahead; same bits), "moe-split8" (the up
+for the lines of the step N ahead at every T, 0: none; same bits), "moe-split8" (the up
 projection's K in 8 ranges: other bits, timing only), "router-splitN" (the router gate's K in N
 ranges: other bits, timing only), "matmul-pfNk" (each dense matmul program asks L2 for up to N
 KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`; same bits).
@@ -66,8 +66,8 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
-            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa2", "moe-pfa3",
-            "moe-pfa4", "moe-pfa6", "moe-split8", "router-split14",
+            "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa0", "moe-pfa2",
+            "moe-pfa3", "moe-pfa4", "moe-pfa6", "moe-split8", "router-split14",
             "router-split28",
             "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
 

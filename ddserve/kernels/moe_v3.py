@@ -48,10 +48,10 @@ from ddserve.kernels.moe_w4_repack import (
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
 # W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
 # up GEMM's launch instead of a launch of its own (same bits). UNROLL: the step loop unrolled
-# ("auto": `_unroll`; same bits). PFA: steps ahead whose lines each step asks from L2 (0: none;
-# same bits; 0 until measured on a GPU). The bench overrides any key.
+# ("auto": `_unroll`; same bits). PFA: each step asks L2 for the lines of the step PFA ahead (0:
+# none; "auto": `pick_pfa`; same bits). The bench overrides any key.
 CONFIG = dict(
-    W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True, PFA=0
+    W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True, PFA="auto"
 )
 log = logging.getLogger(__name__)
 CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
@@ -154,7 +154,8 @@ def _config(overrides: dict | None) -> dict:
     cfg = dict(CONFIG, **(overrides or {}))
     allowed = dict(
         W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2),
-        UNROLL=("auto", False, True), FUSED_SILU=(False, True), PFA=(0, 1, 2, 3, 4, 6),
+        UNROLL=("auto", False, True), FUSED_SILU=(False, True),
+        PFA=("auto", 0, 1, 2, 3, 4, 6),
     )  # fmt: skip
     for key, values in allowed.items():
         if cfg[key] not in values:
@@ -209,6 +210,20 @@ def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
         if n_tiles % nt == 0 and blocks * n_tiles // nt >= 2 * sms:
             return nt
     return 1
+
+
+PFA_ONE_TOKEN = 2  # `pick_pfa` for one-token calls
+
+
+def pick_pfa(tokens: int) -> int:
+    """Steps ahead whose weight and scale lines each step asks from L2 (`moe_gluon._prefetch_step`):
+    PFA_ONE_TOKEN for one token, else none. At one token each program streams its 14 steps with
+    one 4-warp program per SM, each step's loads issued about one step before they are read, so
+    a step waits on HBM; with more tokens the programs outnumber the SMs and the asks only add
+    traffic. H200, K2.6 shapes (bench/results/step/moe_pfa_h200_2026-12-03.json), the MoE op in
+    us with PFA 0 / 2 / 3 / 4 / 6: one token 24.7 / 23.4 / 24.1 / 24.0 / 25.4; ten 84.1 / 90.2 /
+    95.3 / 99.9 / 107.7; 192 tokens 355 / 385 / 398 / 409 / 436."""
+    return PFA_ONE_TOKEN if tokens == 1 else 0
 
 
 def fuses_silu(cfg: dict, inter: int, up_tile_rows: int) -> bool:
@@ -342,6 +357,8 @@ def fused_moe_v3(
     num_experts = w13.words.shape[0]
     bm = pick_bm(p, num_experts) if cfg["BM"] == "auto" else cfg["BM"]
     cfg["BM"] = bm
+    if cfg["PFA"] == "auto":
+        cfg["PFA"] = pick_pfa(t)
     if t == 1:  # one token's k experts are distinct: k blocks of one pair each, no sort
         sorted_pairs, block_expert = _one_token_blocks(topk_ids, bm)
     else:

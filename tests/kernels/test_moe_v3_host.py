@@ -26,6 +26,11 @@ def test_down_tiles_per_program_keep_two_programs_per_sm() -> None:
     assert moe_v3.pick_nt(57, 300, 132) == 1  # 4 and 2 do not divide the tiles
 
 
+def test_l2_asks_ahead_only_for_one_token() -> None:
+    assert moe_v3.pick_pfa(1) == moe_v3.PFA_ONE_TOKEN == 2
+    assert moe_v3.pick_pfa(2) == moe_v3.pick_pfa(10) == moe_v3.pick_pfa(170) == 0
+
+
 def test_config_keys_and_values_are_checked() -> None:
     assert moe_v3._config(None) == moe_v3.CONFIG
     assert moe_v3._config({"BM": 16})["BM"] == 16
