@@ -32,13 +32,14 @@ RATIOS = [8 / 384, 0.2, 0.5, 1, 2, 4, 8, 16]  # the first is one decode token (T
 # (name, config, invariant), in priority order (a run out of budget drops the last ones)
 V2 = {"variant": "v2"}
 V3 = {"variant": "v3"}
-VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM and NT "auto" (bitwise the same bits)
+VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM NT UNROLL PFA "auto" (the same bits)
     ("v3", V3, True),
     ("v3-silu-fused", {**V3, "FUSED_SILU": True}, True),  # one launch fewer (same bits)
     ("v3-silu-2launch", {**V3, "FUSED_SILU": False}, True),
     ("v3-rolled", {**V3, "UNROLL": False}, True),  # the step loop never unrolled (same bits)
     ("v3-depth2", {**V3, "DEPTH": 2}, True),  # two weight steps in flight (same bits)
-    ("v3-pfa2", {**V3, "PFA": 2}, True),  # each step asks L2 for step + 2's lines (same bits)
+    ("v3-pfa0", {**V3, "PFA": 0}, True),  # no L2 asks ahead at any T (same bits)
+    ("v3-pfa2", {**V3, "PFA": 2}, True),  # each up step asks L2 for step + 2's lines (same bits)
     ("v3-pfa3", {**V3, "PFA": 3}, True),
     ("v3-pfa4", {**V3, "PFA": 4}, True),
     ("v3-pfa6", {**V3, "PFA": 6}, True),

@@ -63,7 +63,8 @@ from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 # launch variants: PDL with every prefetch, without one kernel's, without any, no PDL at all;
 # the shared expert on the main stream (no side stream), or its branch forked before the router;
 # the latent path unsplit (q_a_layernorm's own launch, the query's RoPE in mla_rope_cache);
-# the routed MoE's step loop never unrolled (moe_v3 UNROLL False; same bits)
+# the routed MoE's step loop never unrolled (moe_v3 UNROLL False), two weight steps in flight,
+# its up GEMM's L2 asks PFA steps ahead at every T (0: none); all the same bits
 VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention-prefetch",
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
             "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa0", "moe-pfa2",

@@ -21,7 +21,8 @@ One program body (`_tiles`) serves both projections:
         in a second launch); `_w4_up_silu_kernel` does that sum itself (`_silu_unit`).
 - down: x = h (rows of the block); each program NT consecutive n-tiles over all of K;
         y[pair, n] = topk weight * acc in fp32 (`moe_reduce._combine_kernel` sums slots in order).
-Weights are streamed with DEPTH steps of register prefetch. With UNROLL the step loop is
+Weights are streamed with DEPTH steps of register prefetch; with PFA > 0 each step also asks L2
+for the lines of the step PFA ahead (`_prefetch_step`). With UNROLL the step loop is
 unrolled: the compiler then issues each step's weight, scale and x loads about a step before
 they are read (sm_90 SASS, `bench/sass_loop.py`), where in the loop it issues the scales and x
 at the step's start and the next weights at its end, so a lone warp waits on memory each step.
@@ -284,6 +285,7 @@ def _prefetch_step(w_base, s_base, step, NW: gl.constexpr, NS: gl.constexpr, W: 
     """Ask L2 for step `step`'s 128-byte lines: NW / 32 of weights (int32 words), NS / 64 of
     scales (bf16), one line per thread (threads past them ask for the step's first line again).
     Nothing waits on them."""
+    gl.static_assert(NW // 32 <= 32 * W and NS // 64 <= 32 * W, "a step's lines > threads")
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     line = gl.arange(0, 32 * W, layout=lay)
     w_row = w_base + step * NW
@@ -294,6 +296,7 @@ def _prefetch_step(w_base, s_base, step, NW: gl.constexpr, NS: gl.constexpr, W: 
 
 @gluon.jit
 def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (no data returned, nothing waits)."""
     gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 

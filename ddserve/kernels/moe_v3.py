@@ -48,8 +48,8 @@ from ddserve.kernels.moe_w4_repack import (
 # BM (tokens per block) from the tokens per expert, NT (down n-tiles per program) from the grid.
 # W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
 # up GEMM's launch instead of a launch of its own (same bits). UNROLL: the step loop unrolled
-# ("auto": `_unroll`; same bits). PFA: each step asks L2 for the lines of the step PFA ahead (0:
-# none; "auto": `pick_pfa`; same bits). The bench overrides any key.
+# ("auto": `_unroll`; same bits). PFA: each step of the up GEMM asks L2 for the lines of the step
+# PFA ahead (0: none; "auto": `pick_pfa`; same bits). The bench overrides any key.
 CONFIG = dict(
     W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True, PFA="auto"
 )
@@ -212,18 +212,23 @@ def pick_nt(n_tiles: int, blocks: int, sms: int) -> int:
     return 1
 
 
-PFA_ONE_TOKEN = 2  # `pick_pfa` for one-token calls
+PFA_FEW_PROGRAMS = 2  # `pick_pfa` for up launches of at most one program per SM
 
 
-def pick_pfa(tokens: int) -> int:
-    """Steps ahead whose weight and scale lines each step asks from L2 (`moe_gluon._prefetch_step`):
-    PFA_ONE_TOKEN for one token, else none. At one token each program streams its 14 steps with
-    one 4-warp program per SM, each step's loads issued about one step before they are read, so
-    a step waits on HBM; with more tokens the programs outnumber the SMs and the asks only add
-    traffic. H200, K2.6 shapes (bench/results/step/moe_pfa_h200_2026-12-03.json), the MoE op in
-    us with PFA 0 / 2 / 3 / 4 / 6: one token 24.7 / 23.4 / 24.1 / 24.0 / 25.4; ten 84.1 / 90.2 /
-    95.3 / 99.9 / 107.7; 192 tokens 355 / 385 / 398 / 409 / 436."""
-    return PFA_ONE_TOKEN if tokens == 1 else 0
+def pick_pfa(cfg: dict, programs: int, sms: int) -> int:
+    """Steps ahead whose weight and scale lines each step of the up GEMM asks from L2
+    (`moe_gluon._prefetch_step`): PFA_FEW_PROGRAMS when the launch has at most one program per
+    SM, else none. Then each program streams its steps (14 at K2.6's hidden size) with one
+    4-warp program per SM, each step's loads issued about one step before they are read, so a
+    step waits on HBM; with more programs than SMs the asks only add traffic. Measured at K2.6's
+    tp = 8 shapes only, where one token gives 128 up programs and ten give 1,152 (H200,
+    bench/results/step/moe_pfa_h200_2026-12-03.json, the MoE op in us with PFA 0 / 2 / 3 / 4 /
+    6 at every T): one token 24.7 / 23.4 / 24.1 / 24.0 / 25.4; ten 84.1 / 90.2 / 95.3 / 99.9 /
+    107.7; 192 tokens 355 / 385 / 398 / 409 / 436. The down GEMM never asks: at one token its
+    programs run two steps, both loaded at the start."""
+    if cfg["PFA"] != "auto":
+        return cfg["PFA"]
+    return PFA_FEW_PROGRAMS if programs <= sms else 0
 
 
 def fuses_silu(cfg: dict, inter: int, up_tile_rows: int) -> bool:
@@ -278,6 +283,7 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
 
     ks = w13.k_steps
     grid = nb * split * w13.n_tiles
+    pfa = pick_pfa(cfg, grid, num_sms(x.device))
     units = nb * (w13.n // 2) // w13.bn  # (block, gate n-tile)
     # one ticket table per device: routed experts run on the main stream only
     assert not backend.on_side_stream(), "the routed MoE does not run inside a side branch"
@@ -288,10 +294,10 @@ def _up_silu(x, w13: Repacked, part, h, pairs, bexp, num_pairs: int, nb: int, cf
         x.stride(0), part.stride(0), part.stride(1), h.stride(0), w13.words.stride(0),
         w13.scales.stride(0),
         TOPK=topk, W=w13.w, NREP=w13.nrep, BM=cfg["BM"], KS_TOTAL=ks, KSTEPS=ks // split,
-        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), PFA=cfg["PFA"],
+        SPLIT=split, DEPTH=cfg["DEPTH"], UNROLL=_unroll(cfg, ks // split), PFA=pfa,
         num_warps=w13.w, **launch,
     )  # fmt: skip
-    _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True)
+    _record("up", k, grid, w13.w, split=split, nt=1, fused_silu=True, pfa=pfa)
     return k
 
 
@@ -302,6 +308,7 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
 
     ks = stream.k_steps
     grid = nb * split * (stream.n_tiles // nt)
+    pfa = 0 if down else pick_pfa(cfg, grid, num_sms(x.device))
     stride_os = out.stride(0) if out.dim() == 3 else 0
     stride_or = out.stride(-2)
     k = _w4_gemm_kernel[(grid,)](
@@ -310,10 +317,10 @@ def _gemm(x, stream: Repacked, out, pairs, bexp, tw, num_pairs: int, nb: int, cf
         x.stride(0), stride_os, stride_or, stream.words.stride(0), stream.scales.stride(0),
         TOPK=topk, GATHER=gather, W=stream.w, NREP=stream.nrep, BM=cfg["BM"], KS_TOTAL=ks,
         KSTEPS=ks // split, NT=nt, SPLIT=split, DOWN=down, DEPTH=cfg["DEPTH"],
-        UNROLL=_unroll(cfg, nt * (ks // split)), PFA=cfg["PFA"], num_warps=stream.w,
+        UNROLL=_unroll(cfg, nt * (ks // split)), PFA=pfa, num_warps=stream.w,
         **launch,
     )  # fmt: skip
-    _record("down" if down else "up", k, grid, stream.w, split=split, nt=nt,
+    _record("down" if down else "up", k, grid, stream.w, split=split, nt=nt, pfa=pfa,
             **({} if down else dict(fused_silu=False)))  # fmt: skip
     return k
 
@@ -357,8 +364,6 @@ def fused_moe_v3(
     num_experts = w13.words.shape[0]
     bm = pick_bm(p, num_experts) if cfg["BM"] == "auto" else cfg["BM"]
     cfg["BM"] = bm
-    if cfg["PFA"] == "auto":
-        cfg["PFA"] = pick_pfa(t)
     if t == 1:  # one token's k experts are distinct: k blocks of one pair each, no sort
         sorted_pairs, block_expert = _one_token_blocks(topk_ids, bm)
     else:

@@ -25,8 +25,8 @@ def test_v3_thread_layout_configs_are_bitwise_the_default():
     configs = [dict(BM=8), dict(BM=16), dict(BM=32), dict(NT=1), dict(NT=2), dict(NT=8),
                dict(DEPTH=2), dict(BM=8, DEPTH=2), dict(NREP=1), dict(NREP=4),
                dict(W=8, NREP=1), dict(UNROLL=False), dict(UNROLL=True, BM=16),
-               dict(UNROLL=True, DEPTH=2, BM=8), dict(PFA=3), dict(PFA=2, BM=16),
-               dict(PFA=4, UNROLL=False)]  # fmt: skip
+               dict(UNROLL=True, DEPTH=2, BM=8), dict(PFA=0), dict(PFA=2, BM=8, UNROLL=True),
+               dict(PFA=3), dict(PFA=2, BM=16), dict(PFA=4, UNROLL=False)]  # fmt: skip
     bad = []
     for t in (1, 48, 200):
         x = torch.randn(t, 7168, generator=gen).to(torch.bfloat16).cuda()

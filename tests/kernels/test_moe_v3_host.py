@@ -26,9 +26,12 @@ def test_down_tiles_per_program_keep_two_programs_per_sm() -> None:
     assert moe_v3.pick_nt(57, 300, 132) == 1  # 4 and 2 do not divide the tiles
 
 
-def test_l2_asks_ahead_only_for_one_token() -> None:
-    assert moe_v3.pick_pfa(1) == moe_v3.PFA_ONE_TOKEN == 2
-    assert moe_v3.pick_pfa(2) == moe_v3.pick_pfa(10) == moe_v3.pick_pfa(170) == 0
+def test_l2_asks_ahead_only_where_up_programs_fit_one_per_sm() -> None:
+    cfg = moe_v3._config(None)
+    assert moe_v3.pick_pfa(cfg, 128, 132) == moe_v3.PFA_FEW_PROGRAMS == 2  # K2.6 tp 8, T = 1
+    assert moe_v3.pick_pfa(cfg, 256, 132) == 0  # T = 2 (or T = 1 at tp = 4)
+    assert moe_v3.pick_pfa(cfg, 1152, 132) == 0  # T = 10
+    assert moe_v3.pick_pfa(moe_v3._config({"PFA": 3}), 4096, 132) == 3
 
 
 def test_config_keys_and_values_are_checked() -> None:
@@ -160,10 +163,10 @@ def _float_ops_per_element(ptx: str, elements: int) -> dict[str, float]:
     return {name: n / elements for name, n in sorted(counts.items())}
 
 
-@pytest.mark.parametrize("pfa", [0, 3])
-def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol(pfa: int) -> None:
+@pytest.mark.parametrize("pfa,unroll", [(0, False), (3, False), (2, True)])
+def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol(pfa: int, unroll: bool) -> None:
     """`_w4_up_silu_kernel` at K2.6 shapes (BM 8, SPLIT 4; without and with the L2 asks of the
-    step PFA ahead), compiled for sm_90 on the CPU: the
+    step PFA ahead, the step loop rolled or unrolled), compiled for sm_90 on the CPU: the
     PDL wait comes before any memory access; every thread's partial stores, then a CTA barrier,
     then one acq_rel gpu-scope atomic add (the ticket); after it the partials are read from L2
     (.cg) only, and the ticket reset is the last store. Per h element, the epilogue's fp32
@@ -179,9 +182,12 @@ def test_fused_up_kernel_builds_for_sm90_with_the_ticket_protocol(pfa: int) -> N
             "stride_pr", "stride_h", "expert_words", "expert_scales")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
     consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True,
-                  PFA=pfa)  # fmt: skip
+                  PFA=pfa, UNROLL=unroll)  # fmt: skip
     ptx = _sm90_ptx(_w4_up_silu_kernel, sig, consts, warps=4)
-    assert ptx.count("prefetch.global.L2") == 2 * (pfa + 1 if pfa else 0)  # steps 1..PFA, loop
+    # weights and scales: steps 1..PFA at the start, then one step per loop body (rolled) or
+    # per each of the 14 steps (unrolled)
+    asks = 2 * (pfa + (14 if unroll else 1)) if pfa else 0
+    assert ptx.count("prefetch.global.L2") == asks
     ptx = ptx[: ptx.find(".section\t.debug")] if ".section\t.debug" in ptx else ptx
     wait = ptx.find("griddepcontrol.wait")
     first_mem = re.search(r"\b(ld\.global|st\.global|atom\.|red\.)", ptx).start()
