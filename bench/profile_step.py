@@ -69,8 +69,7 @@ VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
             "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa0", "moe-pfa2",
             "moe-pfa3", "moe-pfa4", "moe-pfa6", "moe-split8", "router-split14",
-            "router-split28",
-            "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
+            "router-split28", "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",

@@ -3,8 +3,9 @@ compile for sm_90 offline, the MoE up GEMM's loop itself."""
 
 from __future__ import annotations
 
-import pytest
 import sass_loop
+
+from tests.triton_interp import require_sm90_compiler
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;  /* 0x00000a0000017a02 */
@@ -67,11 +68,7 @@ def test_straight_line_code_has_no_loop_and_reads_do_not_wrap() -> None:
 def _compiled(kernel: str) -> str:
     """The kernel's sm_90 SASS, or a skip where this triton has no CUDA backend (a compile error
     of the kernel fails the test)."""
-    pytest.importorskip("triton")
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     return sass_loop.compile_sass(kernel, {})
 
 

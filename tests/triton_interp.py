@@ -48,6 +48,17 @@ def require_triton() -> None:
     pytest.importorskip("triton", reason=NEEDS_TRITON)
 
 
+def require_sm90_compiler() -> None:
+    """Skip the calling test when this triton cannot compile for sm_90 on the CPU (triton
+    missing, or built without its CUDA backend). A kernel's own compile error is not a skip: the
+    test compiles after this and fails on it."""
+    require_triton()
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+
+
 def run_cases(cases, *leading) -> dict[str, str]:
     """In the interpreter process: each (name, check, args) case run as check(*leading, *args)
     -> "ok" or its failure text."""

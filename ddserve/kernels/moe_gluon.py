@@ -296,7 +296,7 @@ def _prefetch_step(w_base, s_base, step, NW: gl.constexpr, NS: gl.constexpr, W: 
 
 @gluon.jit
 def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at `ptrs` (no data returned, nothing waits)."""
+    """`pdl.prefetch_l2` in Gluon: ask L2 for the lines at `ptrs` (nothing waits on them)."""
     gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 

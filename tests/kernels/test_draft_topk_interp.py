@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from ddserve.ddtree.tree import MIN_LOGPROB, build_tree, log_softmax_topk, top_draft_tokens
-from tests.triton_interp import interpreter_results, patch_interpreter, require_triton, run_cases
+from tests.triton_interp import (
+    interpreter_results,
+    patch_interpreter,
+    require_sm90_compiler,
+    require_triton,
+    run_cases,
+)
 
 # name -> (B, D, V, k, segment or None for the default, dtype)
 SHAPES = {
@@ -212,10 +218,7 @@ def test_kernels_compile_for_sm90_at_k26_shapes(k: int) -> None:
 
     from ddserve.kernels import draft_topk
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     v = 163840
     cfg = draft_topk.topk_config(v, k)
     nseg, nh = draft_topk._sizes(v, cfg)

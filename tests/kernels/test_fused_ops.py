@@ -33,7 +33,13 @@ from ddserve.kernels.fused_ref import (
     silu_mul_ref,
 )
 from ddserve.kernels.invariant_ref import rms_norm_ref
-from tests.triton_interp import interpreter_results, patch_interpreter, require_triton, run_cases
+from tests.triton_interp import (
+    interpreter_results,
+    patch_interpreter,
+    require_sm90_compiler,
+    require_triton,
+    run_cases,
+)
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -351,10 +357,7 @@ def _ptx(fn, args: dict, constexprs: dict, aligned: tuple[int, ...], warps: int)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:  # (a compile error of the kernel fails the test)
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     sig = dict(args, **{k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ddserve.kernels import moe_v3
+from tests.triton_interp import require_sm90_compiler
 
 
 def test_tokens_per_block_follow_tokens_per_expert() -> None:
@@ -138,10 +139,7 @@ def _sm90_ptx(kernel, sig: dict, consts: dict, warps: int) -> str:
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     sig = dict(sig, **dict.fromkeys(consts, "constexpr"))
     divisible = [n for n, ty in sig.items() if ty != "constexpr"
                  and n not in kernel.do_not_specialize]  # fmt: skip

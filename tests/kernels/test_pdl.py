@@ -19,7 +19,7 @@ import torch
 
 from ddserve.kernels import backend, pdl
 from ddserve.kernels.config import KernelConfig
-from tests.triton_interp import require_triton
+from tests.triton_interp import require_sm90_compiler, require_triton
 
 PDL_MODULES = (
     "invariant", "fused", "router", "tree_attn_invariant", "moe_align", "moe_reduce", "moe_gluon",
@@ -129,10 +129,7 @@ def _compile(src, warps: int, stages: int = 3) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     opts = {"num_warps": warps, "num_stages": stages, "launch_pdl": True}
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]
 
@@ -185,10 +182,7 @@ def test_tree_attention_ptx_reads_only_metadata_before_its_wait() -> None:
 
     from ddserve.kernels import tree_attn_invariant as ta
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     names = ("ql_ptr", "qr_ptr", "kv_ptr", "out_ptr", "po_ptr", "plse_ptr", "pl_ptr",
              "q_starts_ptr", "q_lens_ptr", "pslots_ptr", "plens_ptr", "bslots_ptr",
              "mask_ptr")  # fmt: skip

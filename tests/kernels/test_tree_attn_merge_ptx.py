@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
-from tests.triton_interp import require_triton
+from tests.triton_interp import require_sm90_compiler, require_triton
 
 PTRS = ("po_ptr", "plse_ptr", "pl_ptr", "out_ptr", "q_starts_ptr", "q_lens_ptr")
 PRODUCT = re.compile(r"^\s*fma\.rn\.f32\s+(%r\d+), (%r\d+), (%r\d+), 0f00000000;")
@@ -27,10 +25,7 @@ def _ptx(leaves: int) -> str:
 
     from ddserve.kernels import tree_attn_invariant as ta
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     fn = ta._combine_kernel
     sig = dict(zip(PTRS, ("*fp32",) * 3 + ("*bf16",) + ("*i64",) * 2, strict=True))
     sig.update(dict.fromkeys(("nblocks", "stride_ot", "stride_oh", "NSPLIT"), "i32"))

@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from ddserve.ddtree.tree import MIN_LOGPROB, max_tree_nodes, tree_from_topk, tree_from_topk_torch
-from tests.triton_interp import interpreter_results, patch_interpreter, require_triton, run_cases
+from tests.triton_interp import (
+    interpreter_results,
+    patch_interpreter,
+    require_sm90_compiler,
+    require_triton,
+    run_cases,
+)
 
 FIELDS = ("tokens", "parents", "depths", "visible", "scores")
 KINDS = ("random", "quantized", "clamped", "signed_zeros")
@@ -182,10 +188,7 @@ def test_kernel_compiles_for_sm90_and_waits_first(budget: int, warps: int) -> No
 
     from ddserve.kernels import tree_beam
 
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"this triton has no CUDA backend to compile for sm_90: {e}")
+    require_sm90_compiler()
     rows = triton.next_power_of_2(budget + 1)
     sig = dict(lp_ptr="*fp32", tok_ptr="*i64", tokens_ptr="*i64", parents_ptr="*i64",
                depths_ptr="*i64", scores_ptr="*fp32", visible_ptr="*u8")  # fmt: skip
