@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from serve_proc import ddserve_env, session_pids
+from serve_proc import ddserve_env, session_leftovers, session_pids
 
 PARENT = """
 import subprocess, sys, time
@@ -48,10 +48,7 @@ def _start_parent(code: str = PARENT) -> tuple[subprocess.Popen, int]:
 
 
 def _session_empty(sid: int, timeout_s: float = 20) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while session_pids(sid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return not session_pids(sid)
+    return not session_leftovers(sid, timeout_s)
 
 
 def test_sigkill_of_the_parent_takes_its_descendants_down() -> None:
