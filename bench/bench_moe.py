@@ -43,6 +43,7 @@ VARIANTS = [  # v3 default: W=4 NREP=2 SPLIT=4 DEPTH=1, BM NT UNROLL PFA "auto" 
     ("v3-pfa3", {**V3, "PFA": 3}, True),
     ("v3-pfa4", {**V3, "PFA": 4}, True),
     ("v3-pfa6", {**V3, "PFA": 6}, True),
+    ("v3-pairs-fp32", {**V3, "PAIRS": "fp32"}, True),  # fp32 per-pair outputs (other bits)
     ("v3-bm8", {**V3, "BM": 8}, True),
     ("v3-bm16", {**V3, "BM": 16}, True),
     ("v3-bm32", {**V3, "BM": 32}, True),

@@ -28,7 +28,10 @@ launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe
 for the lines of the step N ahead at every T, 0: none; same bits), "moe-split8" (the up
 projection's K in 8 ranges: other bits, timing only), "router-splitN" (the router gate's K in N
 ranges: other bits, timing only), "matmul-pfNk" (each dense matmul program asks L2 for up to N
-KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`; same bits).
+KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`; same bits),
+"moe-pairs-fp32" (the down GEMM's per-pair outputs in fp32, not bf16: other bits, timing only),
+"moe-pairs-uptoN" (the MoE's top-k combine in the shared down matmul's epilogue up to N tokens,
+not `moe_triton.PAIRS_MAX_TOKENS`; same bits).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -56,7 +59,7 @@ from engine_model import parameter_bytes, weight_bytes_per_layer  # noqa: E402
 from engine_probe import RouteRecorder, capture_forward_inputs  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from ddserve.kernels import backend, invariant, moe_v3, pdl, router  # noqa: E402
+from ddserve.kernels import backend, invariant, moe_triton, moe_v3, pdl, router  # noqa: E402
 from ddserve.model.mla import MLA  # noqa: E402
 from ddserve.model.moe import MoE, reduce_partials  # noqa: E402
 
@@ -69,7 +72,8 @@ VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
             "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa0", "moe-pfa2",
             "moe-pfa3", "moe-pfa4", "moe-pfa6", "moe-split8", "router-split14",
-            "router-split28", "matmul-pf64k", "matmul-pf128k", "matmul-pf256k")  # fmt: skip
+            "router-split28", "matmul-pf64k", "matmul-pf128k", "matmul-pf256k",
+            "moe-pairs-fp32", "moe-pairs-upto0", "moe-pairs-upto1024")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -362,7 +366,7 @@ def variant(runner, name: str):
     launch variant, and restored after it."""
     kernels, prefetch, moe_forward = runner.kernels, pdl.PREFETCH, MoE.forward
     router_config, matmul_pf = router.router_config, invariant.PREFETCH_BYTES
-    moe_config = dict(moe_v3.CONFIG)
+    moe_config, pairs_max = dict(moe_v3.CONFIG), moe_triton.PAIRS_MAX_TOKENS
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
@@ -381,6 +385,10 @@ def variant(runner, name: str):
         moe_v3.CONFIG["PFA"] = int(name.removeprefix("moe-pfa"))
     elif name == "moe-split8":  # other bits: the up projection's K in 8 ranges
         moe_v3.CONFIG["SPLIT"] = 8
+    elif name == "moe-pairs-fp32":  # other bits: fp32 per-pair outputs
+        moe_v3.CONFIG["PAIRS"] = "fp32"
+    elif name.startswith("moe-pairs-upto"):
+        moe_triton.PAIRS_MAX_TOKENS = int(name.removeprefix("moe-pairs-upto"))
     elif name.startswith("matmul-pf"):
         invariant.PREFETCH_BYTES = int(name.removeprefix("matmul-pf").removesuffix("k")) << 10
     elif name.startswith("router-split"):
@@ -396,6 +404,7 @@ def variant(runner, name: str):
         runner.kernels, pdl.PREFETCH, MoE.forward = kernels, prefetch, moe_forward
         router.router_config, invariant.PREFETCH_BYTES = router_config, matmul_pf
         moe_v3.CONFIG.update(moe_config)
+        moe_triton.PAIRS_MAX_TOKENS = pairs_max
         for mod, fused in attention:
             mod.latent_fusion = fused
 

@@ -78,7 +78,7 @@ def _merge_kernel():
     return tree_attn_invariant._combine_kernel, sig, ints, consts
 
 
-def _kernel(name: str):
+def _kernel(name: str, pairs: str = "bf16"):
     from ddserve.kernels import moe_gluon
 
     if name == "tree":
@@ -92,7 +92,7 @@ def _kernel(name: str):
                 "stride_pr", "stride_h", "expert_words", "expert_scales")  # fmt: skip
         consts = dict(TOPK=8, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, SPLIT=4, DEPTH=1, PDL=True)
         return moe_gluon._w4_up_silu_kernel, sig, ints, consts
-    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", pairs_ptr="*i64",
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr=f"*{pairs}", pairs_ptr="*i64",
                bexp_ptr="*i64", tw_ptr="*fp32")  # fmt: skip
     ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_os",
             "stride_or", "expert_words", "expert_scales")  # fmt: skip
@@ -101,13 +101,13 @@ def _kernel(name: str):
     return moe_gluon._w4_gemm_kernel, sig, ints, consts
 
 
-def compile_sass(kernel: str, overrides: dict) -> str:
+def compile_sass(kernel: str, overrides: dict, pairs: str = "bf16") -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, sig, ints, consts = _kernel(kernel)
+    fn, sig, ints, consts = _kernel(kernel, pairs)
     consts.update(OPTIONAL)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}  # this version's constexprs
     unknown = set(overrides) - set(consts)
@@ -251,6 +251,8 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("up", "down", "tree", "merge"), default="up")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a constexpr of the kernel (repeatable), e.g. BM=16, DEPTH=2")  # fmt: skip
+    ap.add_argument("--pairs", choices=("bf16", "fp32"), default="bf16",
+                    help="--kernel down: its per-pair outputs' dtype (moe_v3 PAIRS)")  # fmt: skip
     ap.add_argument("--sass", default=None, help="also write the whole SASS here")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args()
@@ -260,7 +262,7 @@ def main() -> None:
         overrides[name] = {"True": True, "False": False}.get(value, None)
         if overrides[name] is None:
             overrides[name] = int(value)
-    sass = compile_sass(args.kernel, overrides)
+    sass = compile_sass(args.kernel, overrides, args.pairs)
     if args.sass:
         Path(args.sass).write_text(sass)
     ins = parse(sass)

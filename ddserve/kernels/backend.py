@@ -156,12 +156,13 @@ def tree_attention(device_type: str) -> Callable:
 def moe_pairs(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights
 ) -> torch.Tensor | None:
-    """The routed experts without their top-k combine: [T * k, D] fp32, pair t * k + j the
-    output of token t's slot-j expert times its weight, for a caller that folds the combine into
-    a later launch (`linear(..., add_topk=k)`). Only where the Gluon MoE (v3) runs these experts
-    and the fold pays (`moe_triton.fused_moe_pairs`: CUDA, batch-invariant mode, 16-bit x, no
-    other MoE variant asked for, experts already repacked in place for v3 by an earlier call, at
-    most `moe_triton.PAIRS_MAX_TOKENS` tokens); None elsewhere, and the caller uses `moe`."""
+    """The routed experts without their top-k combine: [T * k, D] (`moe_v3.CONFIG["PAIRS"]`),
+    pair t * k + j the output of token t's slot-j expert times its weight, for a caller that
+    folds the combine into a later launch (`linear(..., add_topk=k)`). Only where the Gluon MoE
+    (v3) runs these experts and the fold pays (`moe_triton.fused_moe_pairs`: CUDA,
+    batch-invariant mode, 16-bit x, no other MoE variant asked for, experts already repacked in
+    place for v3 by an earlier call, at most `moe_triton.PAIRS_MAX_TOKENS` tokens); None
+    elsewhere, and the caller uses `moe`."""
     if not (_current.batch_invariant and x.device.type == "cuda" and x.dtype in HALF):
         return None
     kernels = _triton_module("moe_triton")
@@ -332,15 +333,16 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] (F.linear's semantics), then + `add` when given (one
     launch on the batch-invariant path, the same bits as the torch ops it stands for).
-    add_topk = k > 0: `add` is [M * k, N] fp32, k rows per output row summed in slot order and
-    rounded (the MoE's top-k combine, `invariant_ref.combine_ref`) before the add."""
+    add_topk = k > 0: `add` is [M * k, N] fp32 or bf16, k rows per output row summed in slot
+    order in fp32 and rounded (the MoE's top-k combine, `invariant_ref.combine_ref`) before the
+    add."""
     from ddserve.kernels.invariant_ref import combine_ref, linear_ref
 
     kernels = _invariant_for("linear", x)
     if kernels:
         return kernels.linear(x, w, add, add_topk=add_topk)
-    if add_topk and (add is None or add.dtype != torch.float32):
-        raise ValueError("add_topk needs add: the [M * k, N] float32 pair rows")
+    if add_topk and (add is None or add.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError("add_topk needs add: the [M * k, N] float32 or bfloat16 pair rows")
     y = linear_ref(x, w)
     if add is not None and add_topk:
         add = combine_ref(add, add_topk, y.dtype).view(y.shape)

@@ -61,9 +61,9 @@ PREFETCH_BYTES = 32 << 10
 def _epilogue(acc, r_ptr, offs, rm, rn, ok, srm, dtype: tl.constexpr, ADD: tl.constexpr,
               TOPK: tl.constexpr):  # fmt: skip
     """The fp32 result rounded to y's dtype; with ADD, plus r, rounded again. TOPK = 0: r laid
-    out as y (same offsets). TOPK > 0: r is [M * TOPK, N] fp32 (row stride srm) and row m adds
-    r[m * TOPK + j] over j = 0 .. TOPK-1 in that order in fp32, rounded to y's dtype (the MoE's
-    top-k combine), then added."""
+    out as y (same offsets). TOPK > 0: r is [M * TOPK, N] fp32 or bf16 (row stride srm) and
+    row m adds r[m * TOPK + j] over j = 0 .. TOPK-1 in that order in fp32, rounded to y's dtype
+    (the MoE's top-k combine), then added."""
     y = acc.to(dtype)
     if ADD:
         if TOPK == 0:
@@ -72,7 +72,9 @@ def _epilogue(acc, r_ptr, offs, rm, rn, ok, srm, dtype: tl.constexpr, ADD: tl.co
             pair0 = rm.to(tl.int64)[:, None] * TOPK  # [BM, 1]
             r = tl.zeros(acc.shape, dtype=tl.float32)
             for j in tl.static_range(TOPK):  # slot order
-                r += tl.load(r_ptr + (pair0 + j) * srm + rn[None, :], mask=ok, other=0.0)
+                r += tl.load(r_ptr + (pair0 + j) * srm + rn[None, :], mask=ok, other=0.0).to(
+                    tl.float32
+                )
             r = r.to(dtype)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
     return y
@@ -397,10 +399,10 @@ def linear(
     `add` (one launch, the same bits as the separate launches it replaces):
     - add_topk = 0: `add` [..., N] (x.dtype) is added to the rounded product, rounded once more:
       torch's `linear(x, w) + add`;
-    - add_topk = k > 0: `add` [M * k, N] fp32 holds k rows per output row (the MoE's weighted
-      expert outputs, pair m * k + j for slot j); their sum in slot order, rounded to x.dtype,
-      is added: `linear(x, w) + add'` with add' from `moe_reduce._combine_kernel`
-      (`invariant_ref.combine_ref`)."""
+    - add_topk = k > 0: `add` [M * k, N] fp32 or bf16 holds k rows per output row (the MoE's
+      weighted expert outputs, pair m * k + j for slot j); their sum in slot order in fp32,
+      rounded to x.dtype, is added: `linear(x, w) + add'` with add' from
+      `moe_reduce._combine_kernel` (`invariant_ref.combine_ref`)."""
     _check(x, w)
     n, k = w.shape
     if x.shape[-1] != k:
@@ -472,10 +474,10 @@ def _checked_add(add: torch.Tensor, topk: int, out_shape, m: int, x: torch.Tenso
         if add.shape != out_shape or add.dtype != x.dtype:
             raise ValueError(f"add {tuple(add.shape)} {add.dtype} does not match the output")
         return add.reshape(-1, n).contiguous()  # [M, N]
-    if add.shape != (m * topk, n) or add.dtype != torch.float32:
+    if add.shape != (m * topk, n) or add.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"add with add_topk={topk} must be [{m * topk}, {n}] float32 (k rows per output "
-            f"row), got {tuple(add.shape)} {add.dtype}"
+            f"add with add_topk={topk} must be [{m * topk}, {n}] float32 or bfloat16 (k rows "
+            f"per output row), got {tuple(add.shape)} {add.dtype}"
         )
     return add if add.stride(-1) == 1 else add.contiguous()
 

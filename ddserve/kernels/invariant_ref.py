@@ -55,10 +55,10 @@ def split_sum_ref(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def combine_ref(pairs: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:
-    """[M * k, N] -> [M, N] in dtype: each row's k pair rows summed in slot order in pairs'
-    dtype (fp32), from 0, rounded once: the MoE's top-k combine (`moe_reduce._combine_kernel`,
-    the end of `moe_ref`) and the `add_topk` epilogue of `invariant.linear`."""
-    rows = pairs.view(-1, topk, pairs.shape[-1])  # [M, k, N]
+    """[M * k, N] -> [M, N] in dtype: each row's k pair rows (fp32 or bf16) summed in slot order
+    in fp32, from 0, rounded once: the MoE's top-k combine (`moe_reduce._combine_kernel`, the
+    end of `moe_ref`) and the `add_topk` epilogue of `invariant.linear`."""
+    rows = pairs.view(-1, topk, pairs.shape[-1]).float()  # [M, k, N]
     acc = torch.zeros_like(rows[:, 0])
     for j in range(topk):
         acc = acc + rows[:, j]

@@ -20,7 +20,8 @@ One program body (`_tiles`) serves both projections:
         stops there (`moe_reduce._silu_kernel` sums the splits in order and applies SiLU-and-mul
         in a second launch); `_w4_up_silu_kernel` does that sum itself (`_silu_unit`).
 - down: x = h (rows of the block); each program NT consecutive n-tiles over all of K;
-        y[pair, n] = topk weight * acc in fp32 (`moe_reduce._combine_kernel` sums slots in order).
+        y[pair, n] = topk weight * acc, computed in fp32 and stored in y's dtype (bf16 or fp32;
+        `moe_reduce._combine_kernel` sums the slots in order in fp32).
 Weights are streamed with DEPTH steps of register prefetch; with PFA > 0 each step also asks L2
 for the lines of the step PFA ahead (`_prefetch_step`). With UNROLL the step loop is
 unrolled: the compiler then issues each step's weight, scale and x loads about a step before
@@ -354,8 +355,8 @@ def _store(acc, out_ptr, row, pair, wt, pid_s, nt, num_pairs, N, stride_os, stri
     top-k weights, all [BM] in the accumulator's column layout, loaded once per program."""
     n = nt * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     ok = gl.expand_dims(n < N, 1) & gl.expand_dims(pair < num_pairs, 0)
-    if DOWN:  # y [P, N]: the pair's row, times its top-k weight
-        val = acc * gl.expand_dims(wt, 0)
+    if DOWN:  # y [P, N]: the pair's row, times its top-k weight, rounded once to y's dtype
+        val = (acc * gl.expand_dims(wt, 0)).to(out_ptr.dtype.element_ty)
         r = pair.to(gl.int64)
     else:  # part [SPLIT, rows, N]: the block row
         val = acc

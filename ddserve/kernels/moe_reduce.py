@@ -6,8 +6,8 @@ fixed by the layer's shapes, never by scheduling (no atomics).
   order, then silu(gate) * up, written as the down-projection's bf16 input h [rows, I].
   (`moe_gluon._silu_unit` is the same computation inside v3's up launch, with FUSED_SILU; the
   two must keep the same operations in the same order.)
-- `_combine_kernel`: a token's k expert outputs (one fp32 row per (token, slot) pair, already
-  weighted) summed in slot order j = 0 .. k-1, cast to the output dtype.
+- `_combine_kernel`: a token's k expert outputs (one row per (token, slot) pair, already
+  weighted; bf16 or fp32) summed in fp32 in slot order j = 0 .. k-1, cast to the output dtype.
 """
 
 from __future__ import annotations
@@ -50,5 +50,5 @@ def _combine_kernel(
     m = c < N
     acc = tl.zeros([BC], dtype=tl.float32)
     for j in tl.static_range(TOPK):  # slot order
-        acc += tl.load(y_ptr + (t * TOPK + j) * stride_y + c, mask=m, other=0.0)
+        acc += tl.load(y_ptr + (t * TOPK + j) * stride_y + c, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=m)

@@ -100,7 +100,7 @@ def fused_moe(
 def fused_moe_pairs(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights
 ) -> torch.Tensor | None:
-    """v3 without its combine launch ([T * k, H] fp32 weighted pair outputs, `fused_moe_v3(...,
+    """v3 without its combine launch ([T * k, H] weighted pair outputs, `fused_moe_v3(...,
     combine=False)`) when these experts are the model's own, already repacked in place for v3
     (from the first forward on), no other variant is asked for and T <= PAIRS_MAX_TOKENS; else
     None (the caller runs v3 with its combine)."""

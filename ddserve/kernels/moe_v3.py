@@ -49,12 +49,18 @@ from ddserve.kernels.moe_w4_repack import (
 # W and NREP set the repacked layout (one stream per weights). FUSED_SILU: SiLU-and-mul in the
 # up GEMM's launch instead of a launch of its own (same bits). UNROLL: the step loop unrolled
 # ("auto": `_unroll`; same bits). PFA: each step of the up GEMM asks L2 for the lines of the step
-# PFA ahead (0: none; "auto": `pick_pfa`; same bits). The bench overrides any key.
+# PFA ahead (0: none; "auto": `pick_pfa`; same bits). PAIRS: the dtype of the down GEMM's
+# weighted per-pair outputs, "bf16" (each rounded once from its fp32 value: half the bytes the
+# down GEMM writes and its combine reads) or "fp32"; the top-k sum runs in fp32 either way. It
+# fixes each pair's rounding, so like SPLIT it depends on nothing per call. The bench overrides
+# any key.
 CONFIG = dict(
-    W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True, PFA="auto"
-)
+    W=4, NREP=2, BM="auto", SPLIT=4, NT="auto", DEPTH=1, UNROLL="auto", FUSED_SILU=True,
+    PFA="auto", PAIRS="bf16",
+)  # fmt: skip
+PAIR_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 log = logging.getLogger(__name__)
-CHUNK = 1024  # tokens per launch set (bounds the [P, H] fp32 per-pair buffer)
+CHUNK = 1024  # tokens per launch set (bounds the [P, H] per-pair buffer)
 LAST_LAUNCH: dict[str, dict] = {}
 
 
@@ -155,7 +161,7 @@ def _config(overrides: dict | None) -> dict:
     allowed = dict(
         W=(2, 4, 8), NREP=(1, 2, 4), BM=("auto", 8, 16, 32), DEPTH=(1, 2),
         UNROLL=("auto", False, True), FUSED_SILU=(False, True),
-        PFA=("auto", 0, 1, 2, 3, 4, 6),
+        PFA=("auto", 0, 1, 2, 3, 4, 6), PAIRS=tuple(PAIR_DTYPES),
     )  # fmt: skip
     for key, values in allowed.items():
         if cfg[key] not in values:
@@ -334,13 +340,14 @@ def fused_moe_v3(
     config: dict | None = None,
     invariant: bool = True,  # always: the config is fixed
     combine: bool = True,
-) -> torch.Tensor:  # [T, H] in x.dtype, or [T * k, H] fp32 with combine=False
+) -> torch.Tensor:  # [T, H] in x.dtype, or [T * k, H] pairs with combine=False
     """`moe_ref`'s contract with the Gluon kernel (INT4, bf16 scales, CUDA). Launches, after the
     alignment (T > 1): up GEMM, SiLU-and-mul (in the up GEMM's launch when `fuses_silu`), down
-    GEMM, combine. combine=False: no combine launch; the [T * k, H] fp32 weighted output of
-    every (token, slot) pair instead (pair t * k + j), which `_combine_kernel` would sum in slot
-    order; the caller folds that sum into a later launch (`invariant.linear(..., add_topk=k)`).
-    Up to CHUNK tokens only (the per-pair buffer is what CHUNK bounds)."""
+    GEMM, combine. combine=False: no combine launch; the [T * k, H] weighted output of every
+    (token, slot) pair instead (pair t * k + j; dtype CONFIG["PAIRS"]), which `_combine_kernel`
+    would sum in slot order in fp32; the caller folds that sum into a later launch
+    (`invariant.linear(..., add_topk=k)`). Up to CHUNK tokens only (the per-pair buffer is what
+    CHUNK bounds)."""
     if not combine and x.shape[0] > CHUNK:
         raise ValueError(f"MoE v3: combine=False takes at most {CHUNK} tokens, got {x.shape[0]}")
     if x.device.type != "cuda":
@@ -348,9 +355,10 @@ def fused_moe_v3(
     if not weights.is_int4 or weights.w13_scale.dtype != torch.bfloat16:
         raise ValueError("MoE v3 needs INT4 weights with bf16 scales")
     cfg = _config(config)
+    pair_dtype = PAIR_DTYPES[cfg["PAIRS"]]
     t = x.shape[0]
     if t == 0:
-        return torch.zeros_like(x) if combine else torch.zeros_like(x, dtype=torch.float32)
+        return torch.zeros_like(x) if combine else torch.zeros_like(x, dtype=pair_dtype)
     if t > CHUNK:
         return torch.cat([
             fused_moe_v3(x[i : i + CHUNK], topk_ids[i : i + CHUNK], topk_weights[i : i + CHUNK],
@@ -387,7 +395,7 @@ def fused_moe_v3(
             part, h, block_expert, num_experts, inter, part.stride(0), part.stride(1),
             h.stride(0), SPLIT=split, BM=bm, BC=64, **launch,
         )  # fmt: skip
-    y = torch.empty(p, hidden, dtype=torch.float32, device=dev)  # [P, H] weighted, per pair
+    y = torch.empty(p, hidden, dtype=pair_dtype, device=dev)  # [P, H] weighted, per pair
     if cfg["NT"] == "auto":
         nt = pick_nt(w2.n_tiles, nb, num_sms(dev))
     else:

@@ -75,17 +75,18 @@ def test_linear_with_add_is_linear_then_torch_add_bit_for_bit(n: int, k: int) ->
     assert [m for m in M_LIST if not torch.equal(fused[m], linear(x[:m], w) + add[:m])] == []
 
 
-def test_topk_epilogue_is_the_moe_combine_then_the_add_bit_for_bit() -> None:
+@pytest.mark.parametrize("pair_dtype", [torch.bfloat16, torch.float32])
+def test_topk_epilogue_is_the_moe_combine_then_the_add_bit_for_bit(pair_dtype) -> None:
     """The shared expert's down matmul at K2.6 rank shapes (K = 256, N = 7168) adding the MoE's
     top-8 pair outputs (`add_topk`: their slot-order sum in its epilogue) gives exactly what the
     launches it replaces give (`moe_reduce._combine_kernel`, then the add epilogue), at every
-    M."""
+    M, for bf16 and fp32 pairs (`moe_v3` PAIRS)."""
     from ddserve.kernels.invariant import linear
     from ddserve.kernels.moe_reduce import _combine_kernel
 
     n, k, topk = 7168, 256, 8
     x, w = rand(MAX_M, k, seed=6), rand(n, k, scale=k**-0.5, seed=7)
-    pairs = rand(MAX_M * topk, n, dtype=torch.float32, scale=0.1, seed=8)
+    pairs = rand(MAX_M * topk, n, dtype=pair_dtype, scale=0.1, seed=8)
     combined = torch.empty(MAX_M, n, dtype=torch.bfloat16, device="cuda")
     _combine_kernel[(MAX_M, 7)](pairs, combined, n, pairs.stride(0), combined.stride(0), TOPK=topk,
                                 BC=1024, PDL=False)  # fmt: skip

@@ -295,3 +295,30 @@ def test_fused_silu_in_a_cuda_graph_replays_bitwise(k26, t):
         assert torch.equal(out, want), (t, replay)
         assert torch.equal(eager, want), (t, replay)
     _assert_tickets_clean()
+
+
+@pytest.mark.parametrize("t", [1, 10, 170])
+def test_bf16_pairs_are_the_fp32_pairs_rounded_once(k26, t):
+    """PAIRS "bf16" (the default) stores each weighted pair output rounded once (to nearest even)
+    from the fp32 value that PAIRS "fp32" stores: bitwise the fp32 pairs cast to bf16. The
+    combine sums either in fp32 in slot order (`invariant_ref.combine_ref`), and the bf16
+    path's output stays within the kernels' tolerance of the reference (K2.6 rank shapes)."""
+    from ddserve.kernels.invariant_ref import combine_ref
+    from ddserve.kernels.moe_v3 import CONFIG, fused_moe_v3
+
+    assert CONFIG["PAIRS"] == "bf16"
+    x, ids, tw = _routed(t, torch.Generator().manual_seed(500 + t))
+    p16 = fused_moe_v3(x, ids, tw, k26, combine=False)
+    p32 = fused_moe_v3(x, ids, tw, k26, config=dict(PAIRS="fp32"), combine=False)
+    assert p16.dtype == torch.bfloat16 and p32.dtype == torch.float32
+    assert torch.equal(p16, p32.to(torch.bfloat16)), t
+    out16 = fused_moe_v3(x, ids, tw, k26)
+    out32 = fused_moe_v3(x, ids, tw, k26, config=dict(PAIRS="fp32"))
+    assert torch.equal(out16, combine_ref(p16, 8, x.dtype)), t
+    assert torch.equal(out32, combine_ref(p32, 8, x.dtype)), t
+    few = slice(0, min(t, 3))  # the reference decodes every expert it touches (slow): 3 tokens
+    ref = moe_ref(x[few], ids[few], tw[few], k26)
+    err16, err32 = rel_err(out16[few], ref), rel_err(out32[few], ref)
+    print(f"T={t}: rel err vs reference, bf16 pairs {err16:.2e}, fp32 pairs {err32:.2e}; "
+          f"outputs differ in {(out16 != out32).float().mean().item():.2%} of values")  # fmt: skip
+    assert err16 < TOL and err32 < TOL

@@ -117,18 +117,19 @@ def check_add_epilogue_is_linear_plus_add(inv, dtype, split: int) -> None:
     assert torch.equal(fused, interp_round(inv.linear(x, w).float() + add.float(), dtype))
 
 
-def check_topk_add_is_linear_plus_moe_combine(inv, dtype, split: int) -> None:
+def check_topk_add_is_linear_plus_moe_combine(inv, dtype, split: int, pair_dtype) -> None:
     """linear(x, w, add=pairs, add_topk=k) == round(linear(x, w) + combine(pairs)), with the
     MoE's own combine kernel (`moe_reduce._combine_kernel`: slot-order fp32 sum, rounded) and
-    its reference (`invariant_ref.combine_ref`). 70 rows (two 64-row tiles), row-strided pairs;
-    with x = 0 the output is the combine alone, so its order and addressing show in every bit
-    (next to a real product they would round away)."""
+    its reference (`invariant_ref.combine_ref`), for fp32 and bf16 pairs (`moe_v3` PAIRS). 70
+    rows (two 64-row tiles), row-strided pairs; with x = 0 the output is the combine alone, so
+    its order and addressing show in every bit (next to a real product they would round
+    away)."""
     from ddserve.kernels.invariant_ref import combine_ref
     from ddserve.kernels.moe_reduce import _combine_kernel
 
     m, n, k, topk = 70, 45, 333, 3
     x, w = wide(m, k, dtype=dtype, seed=23), wide(n, k, dtype=dtype, seed=24)
-    pairs = wide(m * topk, n + 3, dtype=torch.float32, seed=25)[:, :n]  # row stride n + 3
+    pairs = wide(m * topk, n + 3, dtype=pair_dtype, seed=25)[:, :n]  # row stride n + 3
     combined32 = torch.empty(m, n, dtype=torch.float32)
     _combine_kernel[(m, 1)](pairs, combined32, n, pairs.stride(0), combined32.stride(0),
                             TOPK=topk, BC=64, PDL=False)  # fmt: skip
@@ -184,8 +185,10 @@ CASES = (
         (torch.bfloat16, 3, 5))]
     + [(f"add_epilogue[{d},split={s}]", check_add_epilogue_is_linear_plus_add, (d, s))
        for d in DTYPES for s in (1, 3)]
-    + [(f"topk_add_epilogue[{d},split={s}]", check_topk_add_is_linear_plus_moe_combine, (d, s))
-       for d in DTYPES for s in (1, 3)]
+    + [(f"topk_add_epilogue[{d},split={s}]", check_topk_add_is_linear_plus_moe_combine,
+        (d, s, torch.float32)) for d in DTYPES for s in (1, 3)]
+    + [(f"topk_add_epilogue[{d},split={s},bf16 pairs]", check_topk_add_is_linear_plus_moe_combine,
+        (d, s, torch.bfloat16)) for d in (torch.bfloat16, torch.float16) for s in (1, 3)]
     + [("default_configs_split", check_default_configs_split_and_match, ())]
     + [("scratch_grows_keeps_old", check_scratch_grows_and_keeps_old_buffers, ())]
 )  # fmt: skip
@@ -258,7 +261,12 @@ def test_reference_path_adds_the_pairs_slot_by_slot() -> None:
     want = ((rows[:, 0] + rows[:, 1]) + rows[:, 2]).bfloat16()  # from 0: 0 + p0 is p0
     got = partial(x, add=pairs, add_topk=3)
     assert torch.equal(got, torch.nn.functional.linear(x, partial.weight) + want)
-    with pytest.raises(ValueError, match="float32 pair rows"):
+    half = pairs.bfloat16()  # bf16 pairs (`moe_v3` PAIRS) are summed in fp32 the same way
+    rows = half.float().view(4, 3, 5)
+    want = ((rows[:, 0] + rows[:, 1]) + rows[:, 2]).bfloat16()
+    got = partial(x, add=half, add_topk=3)
+    assert torch.equal(got, torch.nn.functional.linear(x, partial.weight) + want)
+    with pytest.raises(ValueError, match="bfloat16 pair rows"):
         backend.linear(x, partial.weight, add_topk=3)
 
 
