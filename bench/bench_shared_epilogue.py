@@ -5,11 +5,13 @@ PAIRS): CUDA-graph replay times in us, one JSON. The two give the same bits (ass
 `moe_triton.PAIRS_MAX_TOKENS` is chosen from these times.
 
     python3 bench/bench_shared_epilogue.py --out shared_epilogue.json
+    python3 bench/bench_shared_epilogue.py --prefill --tokens 17,128,512 --out prefill.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -52,6 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,10,16,17,32,64,170", help="comma-separated T")
     ap.add_argument("--pairs", default="bf16,fp32", help="comma-separated pair dtypes")
+    ap.add_argument(
+        "--prefill", action="store_true", help="the prompt chunks' matmul configuration"
+    )
     ap.add_argument("--out", required=True, help="JSON output path")
     args = ap.parse_args()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -60,7 +65,8 @@ def main() -> None:
         ap.error(f"--pairs: choose from {sorted(dtypes)}")
     w = (torch.randn(HIDDEN, INTER, device="cuda") / INTER**0.5).bfloat16()
     res = {}
-    with backend.kernel_mode(KernelConfig(batch_invariant=True)):
+    phase = backend.prefill_phase() if args.prefill else contextlib.nullcontext()
+    with backend.kernel_mode(KernelConfig(batch_invariant=True)), phase:
         for t in (int(x) for x in args.tokens.split(",")):
             for name in pair_dtypes:
                 row = time_tokens(t, w, dtypes[name])
