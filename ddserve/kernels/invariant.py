@@ -333,7 +333,7 @@ def _launch(
     add_topk: int = 0, rope: RopeEpilogue | None = None,
 ) -> None:  # fmt: skip
     """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws,
-    plus `add` (contiguous: y's shape, or [M * add_topk, N] fp32 pairs summed per row) when
+    plus `add` (contiguous: y's shape, or [M * add_topk, N] fp32 or bf16 pairs summed per row) when
     given, with `rope`'s rotation when given. `cfg` (default: `mm_config`'s) and `two_launch`
     (the split-K sum as `_sum_splits_kernel`) are for benchmarks and tests; both ways give the
     same bits."""

@@ -278,8 +278,8 @@ class MoE(nn.Module):
             y, topk = self._routed(x, ids, weights, pairs_ok=True)
         finally:  # also on an error: a capture must not end with the side stream unjoined
             join()
-        # routed + shared, added in the down matmul (topk > 0: y holds the [T * k, D] fp32
-        # pairs, whose top-k sum the down matmul's epilogue takes too)
+        # routed + shared, added in the down matmul (topk > 0: y holds the [T * k, D] weighted
+        # pairs, bf16 or fp32 (`moe_v3` PAIRS), whose top-k sum the down matmul's epilogue takes)
         y = shared.down_proj(h, add=y, add_topk=topk)
         return reduce_partials(self.comm, y)
 
@@ -294,7 +294,8 @@ class MoE(nn.Module):
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pairs_ok: bool
     ) -> tuple[torch.Tensor, int]:
         """The routed experts' output: ([T, D] partial, 0), or with `pairs_ok` where the backend
-        serves it ([T * k, D] fp32 weighted pairs, k) for the shared down matmul to sum."""
+        serves it ([T * k, D] weighted pairs, bf16 or fp32 (`moe_v3` PAIRS), k) for the shared
+        down matmul to sum."""
         experts = self.experts.weights()
         pairs = backend.moe_pairs(x, ids, weights, experts) if pairs_ok else None
         if pairs is not None:

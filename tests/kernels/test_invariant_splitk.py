@@ -188,7 +188,7 @@ CASES = (
     + [(f"topk_add_epilogue[{d},split={s}]", check_topk_add_is_linear_plus_moe_combine,
         (d, s, torch.float32)) for d in DTYPES for s in (1, 3)]
     + [(f"topk_add_epilogue[{d},split={s},bf16 pairs]", check_topk_add_is_linear_plus_moe_combine,
-        (d, s, torch.bfloat16)) for d in (torch.bfloat16, torch.float16) for s in (1, 3)]
+        (d, s, torch.bfloat16)) for d in DTYPES for s in (1, 3)]
     + [("default_configs_split", check_default_configs_split_and_match, ())]
     + [("scratch_grows_keeps_old", check_scratch_grows_and_keeps_old_buffers, ())]
 )  # fmt: skip

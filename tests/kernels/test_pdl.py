@@ -207,20 +207,24 @@ def test_tree_attention_ptx_reads_only_metadata_before_its_wait() -> None:
     assert len(re.findall(r"\bld\.global", before)) <= 2 + 256, "more than plen and the slots"
 
 
-@pytest.mark.parametrize("pfa", [0, 2])
-def test_gluon_moe_ptx_waits_before_any_memory_access(pfa: int) -> None:
+@pytest.mark.parametrize("pfa,down", [(0, False), (2, False), (0, True)])
+def test_gluon_moe_ptx_waits_before_any_memory_access(pfa: int, down: bool) -> None:
+    """The up GEMM (fp32 partials; with and without its L2 asks) and the down GEMM (bf16 pair
+    outputs, `moe_v3` PAIRS) compile for sm_90 and touch memory only after the PDL wait."""
     require_triton()
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ddserve.kernels.moe_gluon import _w4_gemm_kernel
 
-    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", pairs_ptr="*i64",
-               bexp_ptr="*i64", tw_ptr="*fp32")  # fmt: skip
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*bf16" if down else "*fp32",
+               pairs_ptr="*i64", bexp_ptr="*i64", tw_ptr="*fp32")  # fmt: skip
     ints = ("num_pairs", "num_experts", "num_mblocks", "N", "K", "stride_x", "stride_os",
             "stride_or", "expert_words", "expert_scales")  # fmt: skip
     sig.update(dict.fromkeys(ints, "i32"))
-    consts = dict(TOPK=8, GATHER=True, W=4, NREP=2, BM=8, KS_TOTAL=56, KSTEPS=14, NT=1, SPLIT=4,
-                  DOWN=False, DEPTH=1, UNROLL=False, PDL=True, PFA=pfa)  # fmt: skip
+    shape = dict(KS_TOTAL=2, KSTEPS=2, NT=4, SPLIT=1) if down else dict(KS_TOTAL=56, KSTEPS=14,
+                                                                        NT=1, SPLIT=4)  # fmt: skip
+    consts = dict(TOPK=8, GATHER=not down, W=4, NREP=2, BM=8, **shape, DOWN=down, DEPTH=1,
+                  UNROLL=False, PDL=True, PFA=pfa)  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     ptx = _compile(GluonASTSource(fn=_w4_gemm_kernel, signature=sig, constexprs=consts), warps=4)
     wait, mem, _ = _order(ptx)
