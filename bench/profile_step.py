@@ -73,7 +73,8 @@ VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention
             "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa0", "moe-pfa2",
             "moe-pfa3", "moe-pfa4", "moe-pfa6", "moe-split8", "router-split14",
             "router-split28", "matmul-pf64k", "matmul-pf128k", "matmul-pf256k",
-            "moe-pairs-fp32", "moe-pairs-upto0", "moe-pairs-upto1024")  # fmt: skip
+            "moe-pairs-fp32", "moe-pairs-upto0", "moe-pairs-upto16",
+            "moe-pairs-upto1024")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",

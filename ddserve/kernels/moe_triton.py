@@ -23,7 +23,7 @@ from ddserve.kernels import backend
 from ddserve.kernels.moe_common import may_fall_back
 from ddserve.kernels.moe_ref import ExpertWeights
 from ddserve.kernels.moe_triton_v2 import fused_moe_v2
-from ddserve.kernels.moe_v3 import fused_moe_v3
+from ddserve.kernels.moe_v3 import CHUNK, fused_moe_v3
 from ddserve.kernels.moe_w4_repack import in_place_started
 
 __all__ = ["VARIANTS", "default_variant", "fused_moe", "fused_moe_pairs"]
@@ -32,12 +32,13 @@ log = logging.getLogger(__name__)
 VARIANTS = {"v2": fused_moe_v2, "v3": fused_moe_v3}
 V3_ERROR: str | None = None  # set when v3 failed to compile or launch (then v2 from then on)
 # Tokens up to which the MoE's top-k combine runs in the shared expert's down matmul
-# (`fused_moe_pairs`) instead of its own launch. The shared down matmul plus the combine, K2.6
-# rank shapes on an H200 (bench/bench_shared_epilogue.py, graph replays, us): separate 5.9 /
-# 6.4 / 16.1, combine in the matmul's epilogue 4.8 / 5.0 / 18.4 at 1 / 10 / 170 tokens; 16 lies
-# between the measured points (the crossover is somewhere in 10-170). The bits are the same
-# either way, so the choice may depend on T.
-PAIRS_MAX_TOKENS = 16
+# (`fused_moe_pairs`) instead of its own launch: every call that fits one launch set (v3's
+# CHUNK). The shared down matmul plus the combine with bf16 pairs, K2.6 rank shapes on an H200
+# (bench/bench_shared_epilogue.py, graph replays, us; shared_epilogue_*_h200_2026-12-03.json):
+# separate 5.7 / 6.4 / 11.6 / 34.3 / 60.3, combine in the epilogue 4.8 / 4.9 / 9.4 / 33.7 / 58.4
+# at 1 / 10 / 170 / 512 / 1024 tokens; with the prompt chunks' configuration the epilogue is
+# 0.1-0.6 us slower up to 17 tokens and faster from 64. The bits are the same either way.
+PAIRS_MAX_TOKENS = CHUNK
 
 
 def default_variant(x: torch.Tensor, weights: ExpertWeights) -> str:
