@@ -1,0 +1,223 @@
+"""What a DFlash drafter of a published Kimi K2.5 drafter's size costs a DDTree step on one GPU.
+
+The K2.6 rank benchmark (`bench_engine.py`) drafts with an oracle, whose draft costs next to
+nothing; a real DFlash drafter runs a forward over each stream's block every step and a context
+forward over the tokens each step commits. ddserve runs the whole drafter on every rank (it is not
+tensor-parallel), so every rank reads all of its weights each step. This script builds a drafter
+with random weights in the shape of z-lab/Kimi-K2.5-DFlash (hidden 7168, 6 layers, 64 query / 8
+KV heads of 128, MLP 18432, block 16; the target's embedding, and its lm_head as one rank's
+vocabulary slice at tp = 8) and times, per batch of B streams with a context of `--context`
+tokens each:
+- draft: `DFlashDrafter.draft_rows` (the block forward and the draft logits), CUDA-graph replay
+  (the engine captures it inside the verify graph);
+- commit: `commit_many` of `--commit` tokens per stream (the context forward and the ring write),
+  eager, as the engine runs it after each step;
+and the byte floor of each (weights read / copy bandwidth measured in the same run). Random
+weights say nothing about acceptance, only cost.
+
+    python3 bench/bench_drafter.py --batches 1,5,10 --out drafter.json
+    python3 bench/bench_drafter.py --small --device cpu --out smoke.json   # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddserve.drafter.config import DrafterConfig, build_target_layer_ids  # noqa: E402
+from ddserve.drafter.model import DFlashDrafter, DFlashModel  # noqa: E402
+
+# z-lab/Kimi-K2.5-DFlash as its published conversions describe it (hidden, layers, heads, MLP);
+# its block size and RoPE follow the DFlash papers' K2 setting; no sliding window assumed
+K25_DFLASH = dict(hidden=7168, layers=6, heads=64, kv_heads=8, head_dim=128, inter=18432,
+                  block=16, vocab=163840, vocab_slice=163840 // 8, target_layers=61)  # fmt: skip
+SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=512, block=8,
+             vocab=1024, vocab_slice=512, target_layers=8)  # fmt: skip
+
+
+def drafter_config(s: dict, context: int) -> DrafterConfig:
+    return DrafterConfig.from_hf({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": s["hidden"], "intermediate_size": s["inter"],
+        "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "hidden_act": "silu",
+        "attention_bias": False, "rms_norm_eps": 1e-6, "vocab_size": s["vocab"],
+        "max_position_embeddings": 262144, "rope_theta": 50000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 64.0,
+                         "original_max_position_embeddings": 4096},
+        "block_size": s["block"], "num_target_layers": s["target_layers"],
+        "dflash_config": {"mask_token_id": 0, "target_layer_ids": list(
+            build_target_layer_ids(s["target_layers"], s["layers"]))},
+        "layer_types": ["full_attention"] * s["layers"], "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    })  # fmt: skip
+
+
+class Hooks:
+    """The target's embedding and lm_head (one rank's vocabulary slice), random."""
+
+    def __init__(self, s: dict, device, dtype) -> None:
+        gen = torch.Generator(device=device).manual_seed(1)
+        self.emb = torch.randn(s["vocab"], s["hidden"], generator=gen, device=device).to(dtype)
+        self.head = (
+            torch.randn(s["vocab_slice"], s["hidden"], generator=gen, device=device)
+            * s["hidden"] ** -0.5
+        ).to(dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb.index_select(0, ids)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.head).float()
+
+
+def build(s: dict, context: int, streams: int, device, dtype):
+    cfg = drafter_config(s, context)
+    with torch.device(device):
+        model = DFlashModel(cfg).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    hooks = Hooks(s, device, dtype)
+    drafter = DFlashDrafter(model, hooks, max_streams=streams, max_context=context + 256)
+    width = len(cfg.target_layer_ids) * s["hidden"]
+    for sid in range(streams):
+        hidden = torch.randn(context, width, generator=gen, device=device).to(dtype)
+        drafter.add_stream(sid, [1] * context, hidden)
+    return cfg, model, hooks, drafter, width
+
+
+def copy_bandwidth(device) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    a = torch.empty(1 << 29, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() / statistics.median(times)  # bytes read + written per second
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of fn() (CUDA events on CUDA, wall clock elsewhere)."""
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def draft_runner(drafter: DFlashDrafter, b: int, device):
+    """A callable that drafts for streams 0..b-1: a CUDA-graph replay on CUDA, else eager."""
+    rows = torch.tensor(drafter.state_rows(list(range(b))), device=device)
+    bonus = torch.ones(b, dtype=torch.long, device=device)
+    if torch.device(device).type != "cuda":
+        return lambda: drafter.draft_rows(rows, bonus)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        drafter.draft_rows(rows, bonus)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        drafter.draft_rows(rows, bonus)
+    return graph.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", default=None, help="stream counts B (1,5,10; small: 1,2)")
+    ap.add_argument("--context", type=int, default=None, help="context tokens per stream (1024)")
+    ap.add_argument("--commit", type=int, default=5, help="tokens committed per stream per step")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions (median)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--out", default=None, help="JSON output path (default: print)")
+    args = ap.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    s = SMALL if args.small else K25_DFLASH
+    batches = [int(x) for x in (args.batches or ("1,2" if args.small else "1,5,10")).split(",")]
+    context = args.context or (64 if args.small else 1024)
+    if min(batches) < 1 or args.commit < 1 or context < 1:
+        ap.error("--batches, --commit and --context must be >= 1")
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    print(f"building a drafter of {s['layers']} layers, hidden {s['hidden']} on {device}",
+          flush=True)  # fmt: skip
+    cfg, model, hooks, drafter, width = build(s, context, max(batches), device, dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * elem
+    head = hooks.head.numel() * elem
+    fc_kv = (model.fc.weight.numel() + sum(
+        p.numel() for n, p in model.layers.named_parameters() if ".k_proj." in n or ".v_proj." in n
+    )) * elem  # fmt: skip
+    bw = copy_bandwidth(device)
+    print(f"drafter weights {weights / 1e9:.2f} GB, lm_head slice {head / 1e9:.2f} GB, "
+          f"copy bandwidth {bw / 1e9 if bw else float('nan'):.0f} GB/s", flush=True)  # fmt: skip
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(2)
+    for b in batches:
+        draft = draft_runner(drafter, b, device)
+        draft_s = timed(draft, device, args.reps)
+        # the context's KV read by the block forward: every layer's k, v of the b streams
+        kv = cfg.num_hidden_layers * 2 * b * context * cfg.num_key_value_heads * cfg.head_dim
+        draft_bytes = weights - fc_kv + head + kv * elem
+        hidden = torch.randn(b * args.commit, width, generator=gen, device=device).to(dtype)
+
+        def commit(b=b, hidden=hidden) -> None:
+            items = [(sid, [1] * args.commit, hidden[sid * args.commit : (sid + 1) * args.commit])
+                     for sid in range(b)]  # fmt: skip
+            drafter.commit_many(items)
+
+        commit_s = timed(commit, device, min(args.reps, 8))  # each call grows the context
+        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, draft_bytes=draft_bytes,
+                   commit_bytes=fc_kv, draft_floor_s=draft_bytes / bw if bw else None,
+                   commit_floor_s=fc_kv / bw if bw else None)  # fmt: skip
+        rows.append(row)
+        floors = ""
+        if bw:
+            floors = f" (floors {draft_bytes / bw * 1e3:.2f} / {fc_kv / bw * 1e3:.2f})"
+        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms{floors}",
+              flush=True)  # fmt: skip
+    report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
+                  device=torch.cuda.get_device_name() if device == "cuda" else device,
+                  torch=torch.__version__, weights_bytes=weights, lm_head_slice_bytes=head,
+                  copy_bandwidth_bytes_per_s=bw, rows=rows)  # fmt: skip
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
