@@ -153,6 +153,28 @@ def draft_runner(drafter: DFlashDrafter, b: int, device):
     return graph.replay
 
 
+def profile(drafter: DFlashDrafter, b: int, commit: int, width: int, device, dtype) -> None:
+    """The torch profiler's top ops of one eager draft and one commit of b streams."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    rows = torch.tensor(drafter.state_rows(list(range(b))), device=device)
+    bonus = torch.ones(b, dtype=torch.long, device=device)
+    hidden = torch.randn(b * commit, width, device=device).to(dtype)
+    items = [(sid, [1] * commit, hidden[sid * commit : (sid + 1) * commit]) for sid in range(b)]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for name, fn in (("draft (eager)", lambda: drafter.draft_rows(rows, bonus)),
+                     ("commit", lambda: drafter.commit_many(items))):  # fmt: skip
+        fn()
+        with torch_profile(activities=acts) as prof:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        print(f"--- {name}, B={b}")
+        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", default=None, help="stream counts B (1,5,10; small: 1,2)")
@@ -161,6 +183,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions (median)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, print the torch profiler's top ops of one draft and "
+                         "one commit at the smallest batch (CPU and CUDA time)")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON output path (default: print)")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,6 +232,8 @@ def main() -> None:
             floors = f" (floors {draft_bytes / bw * 1e3:.2f} / {fc_kv / bw * 1e3:.2f})"
         print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms{floors}",
               flush=True)  # fmt: skip
+    if args.profile:
+        profile(drafter, min(batches), args.commit, width, device, dtype)
     report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
                   device=torch.cuda.get_device_name() if device == "cuda" else device,
                   torch=torch.__version__, weights_bytes=weights, lm_head_slice_bytes=head,
