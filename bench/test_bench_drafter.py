@@ -1,0 +1,46 @@
+"""bench/bench_drafter.py on the CPU with tiny shapes: the drafter it builds, and its run end to
+end (`python -m pytest bench/test_bench_drafter.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_drafter import SMALL, build  # noqa: E402
+
+
+def test_the_drafter_holds_each_streams_context_and_drafts_a_block():
+    cfg, model, hooks, drafter, width = build(SMALL, 40, 3, "cpu", torch.float32)
+    assert width == len(cfg.target_layer_ids) * SMALL["hidden"]
+    assert [drafter.cache.length(sid) for sid in range(3)] == [40, 40, 40]
+    rows = torch.tensor(drafter.state_rows([0, 2]))
+    logits = drafter.draft_rows(rows, torch.tensor([5, 6]))
+    assert logits.shape == (2, SMALL["block"] - 1, SMALL["vocab_slice"])  # one rank's slice
+    assert torch.isfinite(logits).all()
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+
+
+def test_cpu_run_writes_a_row_per_batch(tmp_path):
+    out = tmp_path / "d.json"
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(HERE / "bench_drafter.py"), "--small", "--device", "cpu",
+           "--batches", "1,2", "--reps", "2", "--commit", "3", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert [r["batch"] for r in rep["rows"]] == [1, 2]
+    assert rep["copy_bandwidth_bytes_per_s"] is None  # no floor without a GPU copy
+    cfg, model, hooks, _, _ = build(SMALL, 8, 1, "cpu", torch.float32)
+    assert rep["weights_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    for r in rep["rows"]:
+        assert r["draft_s"] > 0 and r["commit_s"] > 0
+        assert 0 < r["commit_bytes"] < r["draft_bytes"]
