@@ -90,6 +90,7 @@ def build(s: dict, context: int, streams: int, device, dtype):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    model.stack_context_kv()  # as `load_dflash_model` leaves a loaded drafter
     hooks = Hooks(s, device, dtype)
     drafter = DFlashDrafter(model, hooks, max_streams=streams, max_context=context + 256)
     width = len(cfg.target_layer_ids) * s["hidden"]

@@ -67,7 +67,9 @@ def load_dflash_model(
         cfg.num_hidden_layers,
         cfg.target_layer_ids,
     )
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.stack_context_kv()  # every layer's context k/v in one matmul (fewer ops per commit)
+    return model
 
 
 def load_drafter(

@@ -22,13 +22,16 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddserve.drafter.base import Drafter
 from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
-from ddserve.drafter.rope import Rotary
+from ddserve.drafter.rope import Rotary, apply_rope
+from ddserve.kvcache import Staging
+from ddserve.model.layers import stacked_rows
 
 KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
 
@@ -57,13 +60,51 @@ class DFlashModel(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
 
     def context_kv(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """hidden [T, k*H] (target layers in target_layer_ids order), positions [T] ->
-        per-layer context k, v [L, T, KVH, Dh]."""
+        """hidden [..., T, k*H] (target layers in target_layer_ids order), positions [..., T] ->
+        per-layer context k, v [L, ..., T, KVH, Dh]. With the layers' k/v projections stacked
+        (`stack_context_kv`), every layer's at once: one matmul, one k norm, one rotation, a
+        few dozen ops whatever the layer count, where layer by layer takes ~15 per layer (a
+        commit runs eagerly after each step, so its op count is host time on the step's path)."""
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(hidden.to(dtype)))  # [T, H]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # [T, Dh]
-        kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
-        return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
+        w = self._stacked_kv()
+        if w is None:
+            kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+            return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
+        attn, n = self.layers[0].self_attn, len(self.layers)
+        kv = F.linear(ctx, w).view(*ctx.shape[:-1], n, 2, attn.n_kv, attn.head_dim)
+        k, v = kv.movedim((-3, -4), (0, 1))  # [L, ..., T, KVH, Dh] each
+        norm = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])  # [L, Dh]
+        norm = norm.view(n, *[1] * (k.dim() - 2), attn.head_dim)
+        kf = k.float()
+        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + attn.k_norm.eps)
+        k = norm * kf.to(dtype)  # `RMSNorm`'s operations, every layer at once
+        return apply_rope(k, cos, sin), v
+
+    def stack_context_kv(self) -> None:
+        """Rebind every layer's k_proj and v_proj weight to a view of one [L * 2 * KVH * Dh, H]
+        buffer (layer by layer, k rows then v rows; values copied, no extra memory once the old
+        tensors are freed), so `context_kv` computes them in one matmul. Inference only (the
+        views are not trainable); a weight replaced afterwards turns the stacked path off."""
+        mods = self._kv_projections()
+        buf = torch.cat([m.weight.detach() for m in mods])
+        row = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(buf[row : row + n], requires_grad=False)
+            row += n
+
+    def _kv_projections(self) -> list[nn.Linear]:
+        attns = [layer.self_attn for layer in self.layers]
+        return [m for a in attns for m in (a.k_proj, a.v_proj)]
+
+    def _stacked_kv(self) -> Tensor | None:
+        """The stacked k/v weight while `stack_context_kv`'s views are intact, else None."""
+        eps = {layer.self_attn.k_norm.eps for layer in self.layers}
+        if len(eps) != 1:
+            return None
+        return stacked_rows(*(m.weight for m in self._kv_projections()))
 
     def block(
         self, x: Tensor, positions: Tensor, ctx_pos: Tensor, ctx_live: Tensor, ctx_kv: KVFn
@@ -120,6 +161,7 @@ class DFlashDrafter(Drafter):
             dtype=w.dtype,
             device=w.device,
         )
+        self._positions = Staging(w.device)  # a batched commit's context positions
 
     def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None:
         self.cache.add(sid)
@@ -149,10 +191,11 @@ class DFlashDrafter(Drafter):
         for sid, token_ids, hidden in items:
             start, keep, hidden = self._checked(sid, token_ids, hidden)
             hiddens.append(hidden)
-            positions.append(torch.arange(start, start + keep, device=self.cache.k.device))
+            positions += range(start, start + keep)
             appends.append((sid, start, keep))
         dev = self.cache.k.device
-        k, v = self.model.context_kv(torch.cat(hiddens).to(dev), torch.cat(positions))
+        pos = self._positions.put(positions)  # one copy, no stream sync
+        k, v = self.model.context_kv(torch.cat(hiddens).to(dev), pos)
         self.cache.append_many(appends, k, v)
 
     def _checked(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None):

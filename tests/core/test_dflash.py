@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -140,10 +141,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer-by-layer", "stacked-kv"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_module_matches_plain_restatement(case):
+def test_module_matches_plain_restatement(case, stacked):
     raw = drafter_raw(**CASES[case])
     model, w = make_model(raw)
+    if stacked:  # context k/v of every layer in one matmul, as a loaded drafter runs
+        model.stack_context_kv()
     target = FakeTarget()
     drafter = DFlashDrafter(model, target, max_streams=3, max_context=256)
     g = torch.Generator().manual_seed(1)
@@ -162,13 +166,16 @@ def test_module_matches_plain_restatement(case):
         torch.testing.assert_close(got[b].double(), want, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer-by-layer", "stacked-kv"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_incremental_context_equals_recompute(case):
+def test_incremental_context_equals_recompute(case, stacked):
     """Many steps with random acceptance (1..block_size tokens committed, per stream or batched
     by `commit_many`), streams joining and leaving, batches in shuffled order: the ring gives what
     a fresh drafter given the whole history gives, including long after the window wrapped."""
     raw = drafter_raw(**CASES[case])
     model, _ = make_model(raw, seed=3)
+    if stacked:
+        model.stack_context_kv()
     target = FakeTarget(seed=1)
     inc = DFlashDrafter(model, target, max_streams=4, max_context=512)
     rng, g = random.Random(0), torch.Generator().manual_seed(2)
@@ -204,6 +211,41 @@ def test_incremental_context_equals_recompute(case):
             want = fresh.draft([sid], bonus[b : b + 1])[0]
             torch.testing.assert_close(got[b], want, atol=1e-4, rtol=1e-4)
     assert max(h.shape[0] for h in history.values()) > 3 * 16  # the ring wrapped several times
+
+
+def test_stacked_context_kv_is_the_layer_by_layer_result():
+    """`stack_context_kv` rebinds the layers' k/v projections to views of one buffer (same
+    values, the old tensors' memory released) and `context_kv` then computes every layer's in one
+    matmul: the same k and v as layer by layer. A projection replaced afterwards (a reload)
+    turns the stacked path off, and the result follows the new weight."""
+    raw = drafter_raw(**CASES["mixed"])
+    model, _ = make_model(raw, seed=4)
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(11, len(model.cfg.target_layer_ids) * H, generator=g)
+    pos = torch.arange(30, 41)
+    want_k, want_v = model.context_kv(hidden, pos)  # layer by layer
+    batch = hidden.view(1, 11, -1).expand(2, 11, -1), pos.expand(2, 11)  # training's shapes
+    want_bk, _ = model.context_kv(*batch)
+    before = [m.weight.detach().clone() for m in model._kv_projections()]
+    assert model._stacked_kv() is None
+    model.stack_context_kv()
+    stacked = model._stacked_kv()
+    assert stacked is not None and stacked.shape == (sum(w.shape[0] for w in before), H)
+    projections = zip(model._kv_projections(), before, strict=True)
+    assert all(torch.equal(m.weight, w) for m, w in projections)
+    k, v = model.context_kv(hidden, pos)
+    torch.testing.assert_close(k, want_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v, want_v, atol=1e-6, rtol=1e-6)
+    bk, bv = model.context_kv(*batch)  # [L, B, T, KVH, Dh]
+    torch.testing.assert_close(bk, want_bk, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(bv[:, 1], want_v, atol=1e-6, rtol=1e-6)
+    attn = model.layers[1].self_attn
+    attn.v_proj.weight = nn.Parameter(attn.v_proj.weight.detach() * 2, requires_grad=False)
+    assert model._stacked_kv() is None
+    k2, v2 = model.context_kv(hidden, pos)
+    torch.testing.assert_close(k2, want_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v2[1], want_v[1] * 2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v2[0], want_v[0], atol=1e-6, rtol=1e-6)
 
 
 def test_commit_many_of_a_stream_twice_or_of_none_is_sequential_commits():
@@ -263,6 +305,7 @@ def test_tiny_drafter_round_trips_through_the_loader(tmp_path):
         torch.testing.assert_close(t, stored[name].float())
     assert drafter.cache.capacity == 64
     assert all(0 <= i < tcfg.num_hidden_layers for i in drafter.capture_layers)
+    assert drafter.model._stacked_kv() is not None  # the loader stacks the k/v projections
 
 
 @pytest.mark.parametrize(
