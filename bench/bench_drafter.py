@@ -40,7 +40,7 @@ from ddserve.drafter.model import DFlashDrafter, DFlashModel  # noqa: E402
 K25_DFLASH = dict(hidden=7168, layers=6, heads=64, kv_heads=8, head_dim=128, inter=18432,
                   block=16, vocab=163840, vocab_slice=163840 // 8, target_layers=61)  # fmt: skip
 SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=512, block=8,
-             vocab=1024, vocab_slice=512, target_layers=8)  # fmt: skip
+             vocab=1024, vocab_slice=512, target_layers=61)  # fmt: skip
 
 
 def drafter_config(s: dict, context: int) -> DrafterConfig:
@@ -79,7 +79,7 @@ class Hooks:
         return torch.nn.functional.linear(h, self.head).float()
 
 
-def build(s: dict, context: int, streams: int, device, dtype):
+def build(s: dict, context: int, streams: int, device, dtype, stack: bool = True):
     cfg = drafter_config(s, context)
     with torch.device(device):
         model = DFlashModel(cfg).to(dtype)
@@ -90,10 +90,11 @@ def build(s: dict, context: int, streams: int, device, dtype):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-    model.stack_context_kv()  # as `load_dflash_model` leaves a loaded drafter
+    if stack:
+        model.stack_context_kv()  # as `load_dflash_model` leaves a loaded drafter
     hooks = Hooks(s, device, dtype)
     drafter = DFlashDrafter(model, hooks, max_streams=streams, max_context=context + 256)
-    width = len(cfg.target_layer_ids) * s["hidden"]
+    width = len(drafter.capture_layers) * s["hidden"]  # the target hands over each layer once
     for sid in range(streams):
         hidden = torch.randn(context, width, generator=gen, device=device).to(dtype)
         drafter.add_stream(sid, [1] * context, hidden)
@@ -135,6 +136,21 @@ def timed(fn, device, reps: int) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def count_ops(fn) -> int:
+    """Torch ops fn() dispatches from Python (top-level aten calls, CPU profiler): what an eager
+    call costs the host, launch by launch, on any device."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.events()
+    return sum(
+        1 for e in events if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )  # fmt: skip
 
 
 def draft_runner(drafter: DFlashDrafter, b: int, device):
@@ -183,6 +199,9 @@ def main() -> None:
     ap.add_argument("--commit", type=int, default=5, help="tokens committed per stream per step")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions (median)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=None, help="drafter layers (K2.5: 6; small: 2)")
+    ap.add_argument("--no-stack", action="store_true",
+                    help="context k/v layer by layer (no `stack_context_kv`), for A/B")  # fmt: skip
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print the torch profiler's top ops of one draft and "
@@ -190,7 +209,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON output path (default: print)")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    s = SMALL if args.small else K25_DFLASH
+    s = dict(SMALL if args.small else K25_DFLASH)
+    if args.layers is not None:
+        s["layers"] = args.layers
     batches = [int(x) for x in (args.batches or ("1,2" if args.small else "1,5,10")).split(",")]
     context = args.context or (64 if args.small else 1024)
     if min(batches) < 1 or args.commit < 1 or context < 1:
@@ -198,7 +219,8 @@ def main() -> None:
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     print(f"building a drafter of {s['layers']} layers, hidden {s['hidden']} on {device}",
           flush=True)  # fmt: skip
-    cfg, model, hooks, drafter, width = build(s, context, max(batches), device, dtype)
+    cfg, model, hooks, drafter, width = build(s, context, max(batches), device, dtype,
+                                              stack=not args.no_stack)  # fmt: skip
     elem = torch.tensor([], dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * elem
     head = hooks.head.numel() * elem
@@ -224,18 +246,20 @@ def main() -> None:
             drafter.commit_many(items)
 
         commit_s = timed(commit, device, min(args.reps, 8))  # each call grows the context
-        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, draft_bytes=draft_bytes,
+        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, commit_ops=count_ops(commit),
+                   draft_bytes=draft_bytes,
                    commit_bytes=fc_kv, draft_floor_s=draft_bytes / bw if bw else None,
                    commit_floor_s=fc_kv / bw if bw else None)  # fmt: skip
         rows.append(row)
         floors = ""
         if bw:
             floors = f" (floors {draft_bytes / bw * 1e3:.2f} / {fc_kv / bw * 1e3:.2f})"
-        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms{floors}",
-              flush=True)  # fmt: skip
+        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms "
+              f"({row['commit_ops']} torch ops){floors}", flush=True)  # fmt: skip
     if args.profile:
         profile(drafter, min(batches), args.commit, width, device, dtype)
     report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
+                  stacked_kv=not args.no_stack,
                   device=torch.cuda.get_device_name() if device == "cuda" else device,
                   torch=torch.__version__, weights_bytes=weights, lm_head_slice_bytes=head,
                   copy_bandwidth_bytes_per_s=bw, rows=rows)  # fmt: skip

@@ -19,7 +19,7 @@ from bench_drafter import SMALL, build  # noqa: E402
 
 def test_the_drafter_holds_each_streams_context_and_drafts_a_block():
     cfg, model, hooks, drafter, width = build(SMALL, 40, 3, "cpu", torch.float32)
-    assert width == len(cfg.target_layer_ids) * SMALL["hidden"]
+    assert width == len(drafter.capture_layers) * SMALL["hidden"]
     assert [drafter.cache.length(sid) for sid in range(3)] == [40, 40, 40]
     rows = torch.tensor(drafter.state_rows([0, 2]))
     logits = drafter.draft_rows(rows, torch.tensor([5, 6]))
