@@ -66,8 +66,8 @@ class DFlashModel(nn.Module):
         few dozen ops whatever the layer count, where layer by layer takes ~15 per layer (a
         commit runs eagerly after each step, so its op count is host time on the step's path)."""
         dtype = self.fc.weight.dtype
-        ctx = self.hidden_norm(self.fc(hidden.to(dtype)))  # [T, H]
-        cos, sin = self.rotary.cos_sin(positions, dtype)  # [T, Dh]
+        ctx = self.hidden_norm(self.fc(hidden.to(dtype)))  # [..., T, H]
+        cos, sin = self.rotary.cos_sin(positions, dtype)  # [..., T, Dh]
         w = self._stacked_kv()
         if w is None:
             kvs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
@@ -79,7 +79,7 @@ class DFlashModel(nn.Module):
         norm = norm.view(n, *[1] * (k.dim() - 2), attn.head_dim)
         kf = k.float()
         kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + attn.k_norm.eps)
-        k = norm * kf.to(dtype)  # `RMSNorm`'s operations, every layer at once
+        k = norm * kf.to(k.dtype)  # `RMSNorm`'s operations, every layer at once
         return apply_rope(k, cos, sin), v
 
     def stack_context_kv(self) -> None:
@@ -100,11 +100,14 @@ class DFlashModel(nn.Module):
         return [m for a in attns for m in (a.k_proj, a.v_proj)]
 
     def _stacked_kv(self) -> Tensor | None:
-        """The stacked k/v weight while `stack_context_kv`'s views are intact, else None."""
+        """The stacked k/v weight while `stack_context_kv`'s views are intact, else None; None
+        too where gradients are wanted (the stacked tensor is a view of the first weight only,
+        so the others would get none)."""
         eps = {layer.self_attn.k_norm.eps for layer in self.layers}
-        if len(eps) != 1:
+        ws = [m.weight for m in self._kv_projections()]
+        if len(eps) != 1 or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
             return None
-        return stacked_rows(*(m.weight for m in self._kv_projections()))
+        return stacked_rows(*ws)
 
     def block(
         self, x: Tensor, positions: Tensor, ctx_pos: Tensor, ctx_live: Tensor, ctx_kv: KVFn
@@ -181,8 +184,8 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def commit_many(self, items: list[tuple[Hashable, list[int], Tensor | None]]) -> None:
         """One context forward for every stream's committed tokens (their hidden states laid
-        end to end), one write into the ring: a step's commit costs the same launches for 1
-        stream as for 10."""
+        end to end), one write into the ring: the same launches for 1 stream as for 10 (the
+        host's per-stream work is a few view ops each)."""
         if len({sid for sid, _, _ in items}) < len(items) or len(items) < 2:
             for item in items:  # a stream twice must see its first commit: one at a time
                 self._append(*item)

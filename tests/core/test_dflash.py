@@ -239,6 +239,11 @@ def test_stacked_context_kv_is_the_layer_by_layer_result():
     bk, bv = model.context_kv(*batch)  # [L, B, T, KVH, Dh]
     torch.testing.assert_close(bk, want_bk, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(bv[:, 1], want_v, atol=1e-6, rtol=1e-6)
+    model.requires_grad_(True)  # training: every weight must get its gradient, so layer by layer
+    assert model._stacked_kv() is None
+    with torch.no_grad():
+        assert model._stacked_kv() is not None
+    model.requires_grad_(False)
     attn = model.layers[1].self_attn
     attn.v_proj.weight = nn.Parameter(attn.v_proj.weight.detach() * 2, requires_grad=False)
     assert model._stacked_kv() is None
