@@ -19,13 +19,15 @@
 #   step        one call after a step-kernel change: the PDL/router/fused/dense/engine/MoE GPU
 #               tests, then the forward profile under each kernel launch variant (extra args:
 #               pytest -k); the engine bench is `engine` mode
+#   drafter     a K2.5-DFlash-sized drafter's draft and commit per step (bench_drafter.py), with
+#               the stacked context k/v and layer by layer; then the drafter's GPU tests
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODES="tests exactness moe attention dense engine profile serve pair step"
+MODES="tests exactness moe attention dense engine profile serve pair step drafter"
 MODE=${1:-}
 if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
-  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
   [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
@@ -105,6 +107,14 @@ case "$MODE" in
     # prefetches, plain launches), same weights and inputs: compare the replays' wall times
     step profile 300 python3 bench/profile_step.py --batches 1,10 \
       --variants default,no-prefetch,no-pdl --out "$OUT/profile.json"
+    ;;
+  drafter)
+    step drafter 200 python3 bench/bench_drafter.py --batches 1,5,10 --profile \
+      --out "$OUT/drafter.json" "$@"
+    step drafter_layer_by_layer 200 python3 bench/bench_drafter.py --batches 1,5,10 --no-stack \
+      --out "$OUT/drafter_layer_by_layer.json" "$@"
+    step pytest_drafter 200 python3 -m pytest -q -p no:cacheprovider -rf tests/core/test_dflash.py \
+      tests/core/test_dflash_engine.py tests/gpu/test_engine_gpu.py tests/gpu/test_warmup_gpu.py
     ;;
 esac
 [ -n "${DRY:-}" ] || tail -c 11000 "$LOG"
