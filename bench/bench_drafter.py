@@ -230,7 +230,7 @@ def main() -> None:
     bw = copy_bandwidth(device)
     print(f"drafter weights {weights / 1e9:.2f} GB, lm_head slice {head / 1e9:.2f} GB, "
           f"copy bandwidth {bw / 1e9 if bw else float('nan'):.0f} GB/s", flush=True)  # fmt: skip
-    rows = []
+    rows, commits = [], []
     gen = torch.Generator(device=device).manual_seed(2)
     for b in batches:
         draft = draft_runner(drafter, b, device)
@@ -246,16 +246,21 @@ def main() -> None:
             drafter.commit_many(items)
 
         commit_s = timed(commit, device, min(args.reps, 8))  # each call grows the context
-        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, commit_ops=count_ops(commit),
-                   draft_bytes=draft_bytes,
+        commits.append(commit)
+        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, draft_bytes=draft_bytes,
                    commit_bytes=fc_kv, draft_floor_s=draft_bytes / bw if bw else None,
                    commit_floor_s=fc_kv / bw if bw else None)  # fmt: skip
         rows.append(row)
         floors = ""
         if bw:
             floors = f" (floors {draft_bytes / bw * 1e3:.2f} / {fc_kv / bw * 1e3:.2f})"
-        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms "
-              f"({row['commit_ops']} torch ops){floors}", flush=True)  # fmt: skip
+        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms{floors}",
+              flush=True)  # fmt: skip
+    # torch ops per commit, counted after every timing (a profiler session can slow later
+    # launches: bench/README.md, host_overhead.py)
+    for row, commit in zip(rows, commits, strict=True):
+        row["commit_ops"] = count_ops(commit)
+        print(f"B={row['batch']}: {row['commit_ops']} torch ops per commit", flush=True)
     if args.profile:
         profile(drafter, min(batches), args.commit, width, device, dtype)
     report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
