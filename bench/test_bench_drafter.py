@@ -29,14 +29,19 @@ def test_the_drafter_holds_each_streams_context_and_drafts_a_block():
     assert norms and all(bool((p == 1).all()) for p in norms)
 
 
-def test_cpu_run_writes_a_row_per_batch(tmp_path):
+def run(tmp_path, *extra: str) -> dict:
     out = tmp_path / "d.json"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(HERE / "bench_drafter.py"), "--small", "--device", "cpu",
-           "--batches", "1,2", "--reps", "2", "--commit", "3", "--out", str(out)]  # fmt: skip
+           "--batches", "1,2", "--reps", "2", "--commit", "3", "--out", str(out),
+           *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rep = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_cpu_run_writes_a_row_per_batch(tmp_path):
+    rep = run(tmp_path)
     assert [r["batch"] for r in rep["rows"]] == [1, 2]
     assert rep["copy_bandwidth_bytes_per_s"] is None  # no floor without a GPU copy
     cfg, model, hooks, _, _ = build(SMALL, 8, 1, "cpu", torch.float32)
@@ -44,3 +49,13 @@ def test_cpu_run_writes_a_row_per_batch(tmp_path):
     for r in rep["rows"]:
         assert r["draft_s"] > 0 and r["commit_s"] > 0
         assert 0 < r["commit_bytes"] < r["draft_bytes"]
+
+
+def test_stacked_context_kv_issues_fewer_ops_per_commit(tmp_path):
+    """With 4 layers, the commit through the stacked k/v projections dispatches fewer torch ops
+    than layer by layer (`--no-stack`)."""
+    stacked = run(tmp_path, "--layers", "4")
+    per_layer = run(tmp_path, "--layers", "4", "--no-stack")
+    assert stacked["stacked_kv"] and not per_layer["stacked_kv"]
+    for a, b in zip(stacked["rows"], per_layer["rows"], strict=True):
+        assert 0 < a["commit_ops"] < b["commit_ops"] - 20, (a["commit_ops"], b["commit_ops"])
