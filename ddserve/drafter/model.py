@@ -31,7 +31,7 @@ from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary, apply_rope
 from ddserve.kvcache import Staging
-from ddserve.model.layers import stacked_rows
+from ddserve.stacked import stacked_rows
 
 KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
 

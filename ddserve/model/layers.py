@@ -32,35 +32,6 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parame
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def share_rows(*layers: nn.Module) -> None:
-    """Make the layers' [N_i, K] weights views of one [sum N_i, K] buffer, back to back, so that
-    one matmul can compute all of them (`stacked_rows`); the loader copies into them in place."""
-    ws = [m.weight for m in layers]
-    kinds = {(w.shape[1:], w.dtype, w.device) for w in ws}
-    if len(kinds) != 1:
-        raise ValueError(f"share_rows: weights differ in width, dtype or device: {kinds}")
-    buf = torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], dtype=ws[0].dtype,
-                      device=ws[0].device)  # fmt: skip
-    row = 0
-    for m, w in zip(layers, ws, strict=True):
-        m.weight = nn.Parameter(buf[row : row + w.shape[0]], requires_grad=False)
-        row += w.shape[0]
-
-
-def stacked_rows(*ws: torch.Tensor) -> torch.Tensor | None:
-    """[sum N_i, K]: the rows of weights ws, one tensor, while they still lie back to back in one
-    buffer (as `share_rows` built them); None if any was replaced since."""
-    first = ws[0]
-    offset, base = first.storage_offset(), first.untyped_storage().data_ptr()
-    for w in ws:
-        in_place = w.untyped_storage().data_ptr() == base and w.storage_offset() == offset
-        if not (w.is_contiguous() and w.shape[1:] == first.shape[1:] and w.device == first.device
-                and w.dtype == first.dtype and in_place):  # fmt: skip
-            return None
-        offset += w.numel()
-    return first.as_strided((sum(w.shape[0] for w in ws), first.shape[1]), first.stride())
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) in fp32, cast back, then scaled (HF's order of operations; `backend.rms_norm`
     runs it batch-invariantly when that mode is on)."""

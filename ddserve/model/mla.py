@@ -33,9 +33,8 @@ from ddserve.model.layers import (
     RMSNorm,
     RowParallelLinear,
     shard_size,
-    share_rows,
-    stacked_rows,
 )
+from ddserve.stacked import share_rows, stacked_rows
 
 LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps
 

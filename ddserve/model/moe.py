@@ -32,10 +32,9 @@ from ddserve.model.layers import (
     empty_param,
     reduce_partials,
     shard_size,
-    share_rows,
-    stacked_rows,
 )
 from ddserve.model.quant import GROUP, PACK, check_int4_split, dequantize_int4
+from ddserve.stacked import share_rows, stacked_rows
 
 log = logging.getLogger(__name__)
 

@@ -93,8 +93,8 @@ def test_down_projections_share_one_buffer_filled_by_the_loader(tiny_model_dir):
     path), filled in place from the checkpoint; replacing one makes the merged view unavailable."""
     from safetensors.torch import load_file
 
-    from ddserve.model.layers import stacked_rows
     from ddserve.model.mla import MLA
+    from ddserve.stacked import stacked_rows
 
     model, cfg = load_model(tiny_model_dir, dtype=torch.float32, progress=False)
     ckpt = {}
@@ -121,7 +121,8 @@ def test_down_projections_share_one_buffer_filled_by_the_loader(tiny_model_dir):
 
 
 def test_share_rows_refuses_weights_of_other_widths():
-    from ddserve.model.layers import Linear, share_rows
+    from ddserve.model.layers import Linear
+    from ddserve.stacked import share_rows
 
     with pytest.raises(ValueError, match="width"):
         share_rows(Linear(8, 4, torch.float32, "cpu"), Linear(6, 4, torch.float32, "cpu"))

@@ -124,7 +124,8 @@ def test_mla_down_projections_are_one_row_invariant_matmul() -> None:
     """q_a_proj and kv_a_proj_with_mqa as one matmul over their shared buffer (K2.6 widths):
     each row's outputs do not depend on the other rows, and they are the two separate matmuls'
     up to bf16 rounding (same K order, possibly other tiles)."""
-    from ddserve.model.layers import Linear, share_rows, stacked_rows
+    from ddserve.model.layers import Linear
+    from ddserve.stacked import share_rows, stacked_rows
 
     q_a = Linear(HIDDEN, Q_LORA, torch.bfloat16, "cuda")
     kv_a = Linear(HIDDEN, KV_LORA + ROPE, torch.bfloat16, "cuda")
