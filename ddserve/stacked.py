@@ -9,13 +9,14 @@ from torch import nn
 
 def share_rows(*layers: nn.Module) -> None:
     """Make the layers' [N_i, K] weights views of one [sum N_i, K] buffer, back to back, so that
-    one matmul can compute all of them (`stacked_rows`); the loader copies into them in place."""
+    one matmul can compute all of them (`stacked_rows`). Their values are kept (the old tensors
+    are released), so it serves before a load, which then copies into the views in place, and
+    after one. The views are not trainable."""
     ws = [m.weight for m in layers]
     kinds = {(w.shape[1:], w.dtype, w.device) for w in ws}
     if len(kinds) != 1:
         raise ValueError(f"share_rows: weights differ in width, dtype or device: {kinds}")
-    buf = torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], dtype=ws[0].dtype,
-                      device=ws[0].device)  # fmt: skip
+    buf = torch.cat([w.detach() for w in ws])  # [sum N_i, K]
     row = 0
     for m, w in zip(layers, ws, strict=True):
         m.weight = nn.Parameter(buf[row : row + w.shape[0]], requires_grad=False)

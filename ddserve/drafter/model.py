@@ -31,7 +31,7 @@ from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary, apply_rope
 from ddserve.kvcache import Staging
-from ddserve.stacked import stacked_rows
+from ddserve.stacked import share_rows, stacked_rows
 
 KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
 
@@ -84,16 +84,10 @@ class DFlashModel(nn.Module):
 
     def stack_context_kv(self) -> None:
         """Rebind every layer's k_proj and v_proj weight to a view of one [L * 2 * KVH * Dh, H]
-        buffer (layer by layer, k rows then v rows; values copied, no extra memory once the old
-        tensors are freed), so `context_kv` computes them in one matmul. Inference only (the
-        views are not trainable); a weight replaced afterwards turns the stacked path off."""
-        mods = self._kv_projections()
-        buf = torch.cat([m.weight.detach() for m in mods])
-        row = 0
-        for m in mods:
-            n = m.weight.shape[0]
-            m.weight = nn.Parameter(buf[row : row + n], requires_grad=False)
-            row += n
+        buffer (`share_rows`: layer by layer, k rows then v rows, values kept), so `context_kv`
+        computes them in one matmul. Inference only (the views are not trainable); a weight
+        replaced afterwards turns the stacked path off."""
+        share_rows(*self._kv_projections())
 
     def _kv_projections(self) -> list[nn.Linear]:
         attns = [layer.self_attn for layer in self.layers]
