@@ -2,20 +2,24 @@
 
 The K2.6 rank benchmark (`bench_engine.py`) drafts with an oracle, whose draft costs next to
 nothing; a real DFlash drafter runs a forward over each stream's block every step and a context
-forward over the tokens each step commits. ddserve runs the whole drafter on every rank (it is not
-tensor-parallel), so every rank reads all of its weights each step. This script builds a drafter
-with random weights in the shape of z-lab/Kimi-K2.5-DFlash (hidden 7168, 6 layers, 64 query / 8
-KV heads of 128, MLP 18432, block 16; the target's embedding, and its lm_head as one rank's
-vocabulary slice at tp = 8) and times, per batch of B streams with a context of `--context`
+forward over the tokens each step commits. ddserve shards the drafter across the target's ranks
+(heads, MLP and `fc` split, one all-reduce after `fc`, o_proj and down_proj), so with `--tp N`
+each rank reads 1/N of its weights; `--tp 1` is the drafter whole on one rank. This script builds
+a drafter with random weights in the shape of z-lab/Kimi-K2.5-DFlash (hidden 7168, 6 layers, 64
+query / 8 KV heads of 128, MLP 18432, block 16; the target's embedding, and its lm_head as one
+rank's vocabulary slice at tp = 8) and times, per batch of B streams with a context of `--context`
 tokens each:
 - draft: `DFlashDrafter.draft_rows` (the block forward and the draft logits), CUDA-graph replay
   (the engine captures it inside the verify graph);
 - commit: `commit_many` of `--commit` tokens per stream (the context forward and the ring write),
   eager, as the engine runs it after each step;
-and the byte floor of each (weights read / copy bandwidth measured in the same run). Random
-weights say nothing about acceptance, only cost.
+and the byte floor of each (weights read / copy bandwidth measured in the same run). At `--tp N`
+it runs rank 0's shard on the one GPU with the collectives left out (as `bench_engine.py` runs
+the target's rank slice) and reports how many all-reduces of how many bytes a rank would add.
+Random weights say nothing about acceptance, only cost.
 
     python3 bench/bench_drafter.py --batches 1,5,10 --out drafter.json
+    python3 bench/bench_drafter.py --batches 1,5,10 --tp 8 --out drafter_tp8.json
     python3 bench/bench_drafter.py --small --device cpu --out smoke.json   # tiny shapes, CPU
 """
 
@@ -32,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddserve.distributed import LocalComm  # noqa: E402
 from ddserve.drafter.config import DrafterConfig, build_target_layer_ids  # noqa: E402
 from ddserve.drafter.model import DFlashDrafter, DFlashModel  # noqa: E402
 
@@ -61,6 +66,13 @@ def drafter_config(s: dict, context: int) -> DrafterConfig:
     })  # fmt: skip
 
 
+class RankSlice(LocalComm):
+    """Rank 0 of `world_size` ranks for the shapes, with every collective left out."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+
 class Hooks:
     """The target's embedding and lm_head (one rank's vocabulary slice), random."""
 
@@ -79,11 +91,15 @@ class Hooks:
         return torch.nn.functional.linear(h, self.head).float()
 
 
-def build(s: dict, context: int, streams: int, device, dtype, stack: bool = True):
-    cfg = drafter_config(s, context)
+def random_model(cfg: DrafterConfig, device, dtype, tp: int = 1, stack: bool = True,
+                 seed: int = 0) -> DFlashModel:  # fmt: skip
+    """Rank 0's shard at tp (collectives left out) of a drafter with random weights: norms 1,
+    matmul weights N(0, 1/fan_in), so activations and logits stay finite and O(1)."""
     with torch.device(device):
-        model = DFlashModel(cfg).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
+        model = DFlashModel(cfg, RankSlice(tp) if tp > 1 else None).to(dtype)
+    if model.comm.world_size != tp:
+        raise SystemExit(f"this drafter's shapes do not divide by --tp {tp}")
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -92,6 +108,13 @@ def build(s: dict, context: int, streams: int, device, dtype, stack: bool = True
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
     if stack:
         model.stack_context_kv()  # as `load_dflash_model` leaves a loaded drafter
+    return model
+
+
+def build(s: dict, context: int, streams: int, device, dtype, stack: bool = True, tp: int = 1):
+    cfg = drafter_config(s, context)
+    model = random_model(cfg, device, dtype, tp, stack)
+    gen = torch.Generator(device=device).manual_seed(0)
     hooks = Hooks(s, device, dtype)
     drafter = DFlashDrafter(model, hooks, max_streams=streams, max_context=context + 256)
     width = len(drafter.capture_layers) * s["hidden"]  # the target hands over each layer once
@@ -202,6 +225,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="drafter layers (K2.5: 6; small: 2)")
     ap.add_argument("--no-stack", action="store_true",
                     help="context k/v layer by layer (no `stack_context_kv`), for A/B")  # fmt: skip
+    ap.add_argument("--tp", type=int, default=1,
+                    help="time one rank's shard at this tensor-parallel size, collectives "
+                         "left out (their count and bytes are reported); 1: the whole "
+                         "drafter")  # fmt: skip
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print the torch profiler's top ops of one draft and "
@@ -214,13 +241,14 @@ def main() -> None:
         s["layers"] = args.layers
     batches = [int(x) for x in (args.batches or ("1,2" if args.small else "1,5,10")).split(",")]
     context = args.context or (64 if args.small else 1024)
-    if min(batches) < 1 or args.commit < 1 or context < 1:
-        ap.error("--batches, --commit and --context must be >= 1")
+    if min(batches) < 1 or args.commit < 1 or context < 1 or args.tp < 1:
+        ap.error("--batches, --commit, --context and --tp must be >= 1")
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    print(f"building a drafter of {s['layers']} layers, hidden {s['hidden']} on {device}",
-          flush=True)  # fmt: skip
+    print(f"building a drafter of {s['layers']} layers, hidden {s['hidden']} on {device}"
+          + (f", rank 0 of {args.tp}" if args.tp > 1 else ""), flush=True)  # fmt: skip
     cfg, model, hooks, drafter, width = build(s, context, max(batches), device, dtype,
-                                              stack=not args.no_stack)  # fmt: skip
+                                              stack=not args.no_stack, tp=args.tp)  # fmt: skip
+    kv_heads = model.layers[0].self_attn.n_kv  # this rank's
     elem = torch.tensor([], dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * elem
     head = hooks.head.numel() * elem
@@ -236,8 +264,15 @@ def main() -> None:
         draft = draft_runner(drafter, b, device)
         draft_s = timed(draft, device, args.reps)
         # the context's KV read by the block forward: every layer's k, v of the b streams
-        kv = cfg.num_hidden_layers * 2 * b * context * cfg.num_key_value_heads * cfg.head_dim
+        kv = cfg.num_hidden_layers * 2 * b * context * kv_heads * cfg.head_dim
         draft_bytes = weights - fc_kv + head + kv * elem
+        # what the collectives left out would add at tp > 1: all-reduces of [tokens, hidden]
+        collectives = dict(
+            draft_all_reduces=2 * cfg.num_hidden_layers if args.tp > 1 else 0,
+            draft_all_reduce_bytes=b * cfg.block_size * s["hidden"] * elem,
+            commit_all_reduces=1 if args.tp > 1 else 0,
+            commit_all_reduce_bytes=b * args.commit * s["hidden"] * elem,
+        )
         hidden = torch.randn(b * args.commit, width, generator=gen, device=device).to(dtype)
 
         def commit(b=b, hidden=hidden) -> None:
@@ -249,7 +284,7 @@ def main() -> None:
         commits.append(commit)
         row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, draft_bytes=draft_bytes,
                    commit_bytes=fc_kv, draft_floor_s=draft_bytes / bw if bw else None,
-                   commit_floor_s=fc_kv / bw if bw else None)  # fmt: skip
+                   commit_floor_s=fc_kv / bw if bw else None, **collectives)  # fmt: skip
         rows.append(row)
         floors = ""
         if bw:
@@ -264,7 +299,7 @@ def main() -> None:
     if args.profile:
         profile(drafter, min(batches), args.commit, width, device, dtype)
     report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
-                  stacked_kv=not args.no_stack,
+                  stacked_kv=not args.no_stack, tp=args.tp,
                   device=torch.cuda.get_device_name() if device == "cuda" else device,
                   torch=torch.__version__, weights_bytes=weights, lm_head_slice_bytes=head,
                   copy_bandwidth_bytes_per_s=bw, rows=rows)  # fmt: skip

@@ -10,11 +10,19 @@ tokens-per-second ratio and the break-even committed length (DDTree step / AR st
 (weights touched + measured distinct experts x expert bytes + KV read, over the measured copy
 bandwidth) and step / floor; the split of a DDTree step; GPU memory. Random weights: a real
 drafter's acceptance cannot be measured here, only step cost and break-even.
+
+`--drafter dflash` makes every DDTree step also pay a DFlash drafter's cost (random weights in
+z-lab/Kimi-K2.5-DFlash's shapes, one rank's shard at `--drafter-tp`, `bench_drafter.py`): its
+block forward in the verify graph, the target's hidden states captured at its layers, its
+context commit after each step; the tree still comes from the oracle (`CostedOracle`).
+
+    python bench/bench_engine.py --cuda-graphs --budgets 16 --corrupt 0.19 --drafter dflash
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -73,6 +81,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--split-steps", type=int, help="instrumented DDTree steps for the split (2)")
     ap.add_argument("--depth", type=int, help="drafter depths D, DFlash block - 1 (15)")
     ap.add_argument("--margin", type=float, default=20.0, help="oracle logit margin (20: chain)")
+    ap.add_argument("--drafter", choices=("oracle", "dflash"), default="oracle",
+                    help="oracle: the oracle's draft alone (next to no cost); dflash: plus "
+                         "a K2.5-DFlash-sized drafter's work every step (random "
+                         "weights)")  # fmt: skip
+    ap.add_argument("--drafter-tp", type=int, default=None,
+                    help="the tensor-parallel size whose rank-0 shard of the DFlash drafter "
+                         "runs (8; small: 2); 1: the whole drafter")  # fmt: skip
     ap.add_argument("--prefill-chunk", type=int, help="prefill forward size in tokens (2048)")
     ap.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (1024 MiB)")
     ap.add_argument("--graph-reps", type=int, default=5, help="CUDA-graph replays (0: off)")
@@ -96,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, val)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.drafter_tp is None:
+        args.drafter_tp = 2 if args.small else 8
     args.batches = [int(x) for x in str(args.batches).split(",")]
     args.budgets = [int(x) for x in str(args.budgets).split(",")]
     args.corrupt = [float(x) for x in str(args.corrupt).split(",")]
@@ -146,16 +163,46 @@ def setup(args: argparse.Namespace) -> tuple[EngineBench, dict]:
     bw = copy_bandwidth(device, args.copy_mib << 20)
     print(f"copy bandwidth {bw['bytes_per_s'] / 1e9:.0f} GB/s; prefilling {c_max} x "
           f"{args.prefix} tokens", flush=True)  # fmt: skip
-    bench = EngineBench(runner, prompts, max_tokens, args.graph_reps)
+    dflash = None
+    if args.drafter == "dflash":
+        dflash = costed_dflash(args, runner, layers, c_max, per_stream + slack)
+        print(f"DFlash drafter for its cost: rank 0 of tp={args.drafter_tp}, "
+              f"{drafter_bytes(dflash) / 1e9:.2f} GB", flush=True)  # fmt: skip
+    bench = EngineBench(runner, prompts, max_tokens, args.graph_reps, dflash=dflash)
     report = dict(
         benchmark="engine", notes=NOTES, args=dict(vars(args)), env=environment(device),
         layers=layers, layers_requested=args.layers, bandwidth=bw,
         model=dict(config=raw, weight_bytes=parameter_bytes(model), init=INIT),
+        drafter=None if dflash is None else dict(
+            shape="K2.5-DFlash" if not args.small else "small", tp=args.drafter_tp,
+            weight_bytes=drafter_bytes(dflash), capture_layers=dflash.capture_layers,
+            config=dataclasses.asdict(dflash.cfg)),
         prefill=dict(tokens=bench.prefill_tokens, seconds=bench.prefill_s,
                      tokens_per_s=bench.prefill_tokens / bench.prefill_s),
         ar=[], ddtree=[], skipped=[], errors=[], moe=moe_backend(model),
     )  # fmt: skip
     return bench, report
+
+
+def costed_dflash(args: argparse.Namespace, runner: ModelRunner, layers: int, streams: int,
+                  context: int):  # fmt: skip
+    """The DFlash drafter whose cost `--drafter dflash` adds: K2.5-DFlash's shapes (small: the
+    smoke shapes), block depth + 1, its capture layers spread over the target's `layers`."""
+    from bench_drafter import K25_DFLASH, SMALL, drafter_config, random_model
+
+    from ddserve.drafter.model import DFlashDrafter
+
+    shape = dict(SMALL if args.small else K25_DFLASH, target_layers=layers,
+                 hidden=runner.model_cfg.hidden_size, vocab=runner.model_cfg.vocab_size,
+                 block=args.depth + 1)  # fmt: skip
+    cfg = drafter_config(shape, context)
+    model = random_model(cfg, runner.device, runner.cfg.torch_dtype, tp=args.drafter_tp,
+                         seed=args.seed)  # fmt: skip
+    return DFlashDrafter(model, runner.model, max_streams=streams, max_context=context)
+
+
+def drafter_bytes(dflash) -> int:
+    return sum(p.numel() * p.element_size() for p in dflash.model.parameters())
 
 
 def moe_backend(model) -> dict:

@@ -45,6 +45,59 @@ class DeviceOracle(OracleDrafter):
         return out.mul_(self.noise).scatter_add_(2, guess, margin)  # [B, D, V]
 
 
+class CostedOracle(DeviceOracle):
+    """The oracle's proposals at a real drafter's cost: every step also runs a DFlash drafter
+    (`dflash`, random weights, e.g. K2.5-DFlash's shapes sharded as one rank of tp = 8) exactly
+    as the engine runs one: its block forward inside the verify graph (`state_rows` /
+    `draft_rows`), the target's hidden states captured at its layers, its context commit of
+    each step's tokens. The tree is built from the oracle's logits (`DeviceOracle`'s guesses
+    and margin), to which the drafter's are added times 0 so that no compiler or graph could
+    drop its work; the noise is one fixed N(0, noise) draw per stream row, so no generator runs
+    inside the graph. Random drafter weights give a cost, never an acceptance."""
+
+    def __init__(self, dflash, continuations, vocab_size: int, depth: int = 8, **kw) -> None:
+        super().__init__(continuations, vocab_size, depth=depth, **kw)
+        if dflash.depth != depth:
+            raise ValueError(f"the drafter drafts {dflash.depth} depths, the oracle {depth}")
+        self.dflash, self.capture_layers = dflash, dflash.capture_layers
+        self.max_streams = dflash.max_streams
+        dev, rows = dflash.cache.k.device, dflash.max_streams
+        gen = torch.Generator(device=dev).manual_seed(self.seed)
+        self._noise = torch.randn(rows, depth, vocab_size, device=dev, generator=gen)
+        self._noise.mul_(self.noise)
+        self._guess = torch.zeros(rows, depth, 1, dtype=torch.long, device=dev)
+
+    def add_stream(self, sid, prompt_ids, hidden) -> None:
+        super().add_stream(sid, prompt_ids, hidden)
+        self.dflash.add_stream(sid, prompt_ids, hidden)
+
+    def remove_stream(self, sid) -> None:
+        super().remove_stream(sid)
+        self.dflash.remove_stream(sid)
+
+    def commit_many(self, items) -> None:
+        for sid, token_ids, _ in items:
+            self.commit(sid, token_ids, None)  # the oracle's token context
+        self.dflash.commit_many(items)
+
+    def state_rows(self, sids: list) -> list[int]:
+        """The drafter's rows; the streams' guesses go to the device now, one copy."""
+        rows = self.dflash.state_rows(sids)
+        guess = torch.tensor([self.guesses(s) for s in sids])[..., None]  # [B, D, 1]
+        self._guess[rows] = guess.to(self._guess.device, non_blocking=True)
+        return rows
+
+    def draft_rows(self, rows: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        cost = self.dflash.draft_rows(rows, bonus)  # [B, D, V]
+        out = self._noise.index_select(0, rows).add_(cost, alpha=0.0)
+        margin = torch.full((rows.shape[0], self.depth, 1), self.margin, device=rows.device)
+        return out.scatter_add_(2, self._guess.index_select(0, rows), margin)
+
+    def draft(self, sids: list, bonus: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor(self.state_rows(sids), device=bonus.device)
+        return self.draft_rows(rows, bonus)
+
+
 @dataclass
 class RunResult:
     """Per timed step: seconds, tokens committed over all streams, committed-prefix tokens
@@ -64,9 +117,17 @@ class EngineBench:
     """The runner, its C_max prefilled streams, and the post-prefill state to rewind to."""
 
     def __init__(
-        self, runner: ModelRunner, prompts: list[list[int]], max_tokens: int, graph_reps: int = 5
+        self,
+        runner: ModelRunner,
+        prompts: list[list[int]],
+        max_tokens: int,
+        graph_reps: int = 5,
+        dflash=None,
     ) -> None:
+        """`dflash`: a DFlashDrafter whose cost the DDTree runs pay (`CostedOracle`), or None
+        (the oracle alone)."""
         self.runner, self.clock, self.graph_reps = runner, Clock(runner.device), graph_reps
+        self.dflash = dflash
         self.base_cfg = runner.cfg
         self.recorder = RouteRecorder(runner.model)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -141,11 +202,27 @@ class EngineBench:
     def _oracle(self, sids: list[int], budget: int, oracle_kw: dict) -> None:
         self.rewind(sids)
         vocab = self.runner.model_cfg.vocab_size
-        drafter = DeviceOracle(self.continuation, vocab, **oracle_kw)
+        if self.dflash is None:
+            drafter = DeviceOracle(self.continuation, vocab, **oracle_kw)
+        else:
+            for sid in self.runner.streams:  # a previous run's context goes
+                if sid in self.dflash.cache:
+                    self.dflash.remove_stream(sid)
+            drafter = CostedOracle(self.dflash, self.continuation, vocab, **oracle_kw)
         for sid in sids:
-            drafter.add_stream(sid, self.runner.streams[sid].prompt, None)
+            prompt = self.runner.streams[sid].prompt
+            drafter.add_stream(sid, prompt, self._prompt_hidden(drafter, len(prompt)))
         self.runner.drafter = drafter
         self.runner.cfg = replace(self.base_cfg, budget=budget)
+
+    def _prompt_hidden(self, drafter, n: int) -> torch.Tensor | None:
+        """Random stand-ins for the prompt's captured hidden states (the streams were
+        prefilled without a drafter), or None for a drafter that captures none."""
+        if not drafter.capture_layers:
+            return None
+        width = len(drafter.capture_layers) * self.runner.model_cfg.hidden_size
+        dtype = self.dflash.model.fc.weight.dtype
+        return torch.randn(n, width, device=self.runner.device).to(dtype)
 
     def run_ddtree(
         self, sids: list[int], budget: int, warmup: int, steps: int, split_steps: int, **oracle_kw

@@ -59,3 +59,24 @@ def test_stacked_context_kv_issues_fewer_ops_per_commit(tmp_path):
     assert stacked["stacked_kv"] and not per_layer["stacked_kv"]
     for a, b in zip(stacked["rows"], per_layer["rows"], strict=True):
         assert 0 < a["commit_ops"] < b["commit_ops"] - 20, (a["commit_ops"], b["commit_ops"])
+
+
+def test_a_rank_shard_reads_its_share_of_the_weights(tmp_path):
+    """`--tp 2` times rank 0's shard: half of every split weight, its KV heads' ring, and the
+    all-reduces it leaves out reported; a --tp the shapes do not divide is refused."""
+    whole = run(tmp_path)
+    half = run(tmp_path, "--tp", "2")
+    assert half["tp"] == 2 and whole["tp"] == 1
+    cfg, model, _, drafter, _ = build(SMALL, 8, 1, "cpu", torch.float32, tp=2)
+    assert model.comm.world_size == 2 and drafter.cache.k.shape[-2] == SMALL["kv_heads"] // 2
+    assert half["weights_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    assert half["weights_bytes"] < 0.6 * whole["weights_bytes"]  # norms stay whole
+    for r in half["rows"]:
+        assert r["draft_all_reduces"] == 2 * SMALL["layers"] and r["commit_all_reduces"] == 1
+        assert r["draft_all_reduce_bytes"] == 4 * r["batch"] * SMALL["block"] * SMALL["hidden"]
+    assert all(r["draft_all_reduces"] == 0 for r in whole["rows"])
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(HERE / "bench_drafter.py"), "--small", "--device",
+                           "cpu", "--tp", "3"], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode != 0 and "--tp 3" in proc.stderr

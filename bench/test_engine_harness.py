@@ -104,3 +104,29 @@ def test_routing_touches_about_as_many_experts_as_independent_tokens():
         assert res.committed == [8 * c] and res.matches_ar == 1.0
         ratios[f"ddtree{c}"] = _distinct_over_uniform(res, cfg)
     assert min(ratios.values()) >= 0.85, ratios
+
+
+def test_costed_oracle_runs_the_drafter_and_keeps_the_oracles_trees():
+    """`--drafter dflash`: every DDTree step also runs the DFlash drafter (its draft and its
+    context commit of each step's tokens, from the target's captured hidden states), while the
+    tree, and so what is committed, is the oracle's."""
+    import argparse
+
+    cfg = ModelConfig.from_hf(rank_slice_config(3, small=True))
+    model = build_random_model(cfg, torch.device("cpu"))
+    runner = ModelRunner.from_model(model, cfg, engine_cfg=EngineConfig(num_slots=512, budget=4))
+    args = argparse.Namespace(small=True, depth=3, drafter_tp=2, seed=0)
+    dflash = bench_engine.costed_dflash(args, runner, layers=3, streams=2, context=256)
+    assert dflash.model.comm.world_size == 2 and dflash.capture_layers
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    bench = EngineBench(runner, prompts, max_tokens=60, graph_reps=0, dflash=dflash)
+    bench.run_ar([0, 1], warmup=0, steps=20)
+    drafts, commits = [], []
+    draft_rows, commit_many = dflash.draft_rows, dflash.commit_many
+    dflash.draft_rows = lambda rows, bonus: drafts.append(len(rows)) or draft_rows(rows, bonus)
+    dflash.commit_many = lambda items: commits.append(len(items)) or commit_many(items)
+    res = bench.run_ddtree([0, 1], 4, warmup=1, steps=3, split_steps=1, depth=3, margin=20.0)
+    assert res.matches_ar == 1.0 and res.committed == [8, 8, 8]  # 2 chains of 3 + the bonus
+    assert drafts == [2] * 5 and commits == [2] * 5  # warm-up, 3 timed, the split step
+    for sid, prompt in zip((0, 1), prompts, strict=True):  # the split step ran again after
+        assert dflash.cache.length(sid) == len(prompt) + len(runner.streams[sid].output) - 1

@@ -5,6 +5,11 @@ the target's hidden states) with its own k_proj/v_proj (+ k_norm, + RoPE at the 
 positions) into extra keys/values. The context gets no input_layernorm and never passes through
 the layers; only the block does. The block's queries attend non-causally to [context; block].
 Parameter names match published DFlash checkpoints (`layers.N.self_attn.q_proj.weight`, ...).
+
+Tensor parallelism (`comm.world_size` W > 1): each rank holds 1/W of the query and KV heads
+(contiguous, so a rank's query heads use its own KV heads) and of the MLP's intermediate
+features; q/k/v/gate/up are split by output rows, o/down by input columns and their partial
+outputs summed with one all-reduce each. Every rank ends each sublayer with the same sum.
 """
 
 from __future__ import annotations
@@ -13,8 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.config import SLIDING, DrafterConfig
 from ddserve.drafter.rope import apply_rope
+
+# Which dimension of each projection's weight a rank holds 1/W of (the checkpoint's full tensor
+# is cut there when loaded): output rows for the column-parallel ones, input columns for the
+# row-parallel ones, whose outputs are all-reduced.
+SHARD_DIM = {
+    "q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
+    "o_proj": 1, "down_proj": 1, "fc": 1,
+}  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -32,21 +46,25 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, comm: Communicator):
         super().__init__()
+        self.comm = comm
+        inter //= comm.world_size
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, comm: Communicator):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        h, d, w = cfg.hidden_size, cfg.head_dim, comm.world_size
+        self.comm = comm
+        self.n_heads, self.n_kv = cfg.num_attention_heads // w, cfg.num_key_value_heads // w
+        self.head_dim = d
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
@@ -73,15 +91,16 @@ class DFlashAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=visible[:, None], enable_gqa=True
         )  # [B, NH, Q, Dh]; default scale is Dh^-0.5
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return self.comm.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)))
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, index: int):
+    def __init__(self, cfg: DrafterConfig, index: int, comm: Communicator | None = None):
         super().__init__()
+        comm = comm or LocalComm()
         self.sliding = cfg.layer_types[index] == SLIDING
-        self.self_attn = DFlashAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = DFlashAttention(cfg, comm)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

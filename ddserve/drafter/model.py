@@ -11,9 +11,13 @@ Block queries see every block key and every live context key, except that a slid
 context more than `sliding_window - 1` positions behind the query. The drafter has no embedding
 or lm_head: it uses the target's `embed` and `lm_logits` (after its own final `norm`).
 
-Tensor parallelism: the drafter is replicated on every rank. Weights are identical, its inputs
-(captured hidden states after the target's all-reduce, full embeddings, all-gathered logits) are
-identical, so every rank computes the same draft logits and builds the same tree.
+Tensor parallelism: the drafter is sharded across the target's ranks like the target (layers.py):
+each rank holds 1/W of the heads, of the MLP and of `fc`'s input columns (the captured hidden
+states, identical on every rank after the target's all-reduce, are cut the same way), and each
+rank's context ring holds its own KV heads. `fc`, o_proj and down_proj end in an all-reduce, so
+every rank holds the same block hidden states, computes the same draft logits (the target's
+all-gathered `lm_logits`) and builds the same tree. A drafter whose KV heads, MLP width or `fc`
+width do not divide by W is replicated on every rank instead (`shard_world`).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.base import Drafter
 from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
-from ddserve.drafter.layers import DFlashDecoderLayer, RMSNorm
+from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary, apply_rope
 from ddserve.kvcache import Staging
 from ddserve.stacked import share_rows, stacked_rows
@@ -44,17 +49,32 @@ class TargetHooks(Protocol):
     def lm_logits(self, h: Tensor) -> Tensor: ...  # [N, H] -> [N, V] float32
 
 
-class DFlashModel(nn.Module):
-    """Weights and forward of a DFlash drafter; state_dict names match published checkpoints."""
+def shard_world(cfg: DrafterConfig, world_size: int) -> int:
+    """The number of ranks the drafter is split across at tp = world_size: all of them where its
+    KV heads, MLP width and `fc` input width divide by it, else 1 (replicated)."""
+    widths = (
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        len(cfg.target_layer_ids) * cfg.hidden_size,
+    )
+    return world_size if all(n % world_size == 0 for n in widths) else 1
 
-    def __init__(self, cfg: DrafterConfig):
+
+class DFlashModel(nn.Module):
+    """Weights and forward of a DFlash drafter; state_dict names match published checkpoints.
+    With `comm` at W > 1 ranks (and `shard_world` W) this rank's shard: `shard_dim` says where
+    each weight is cut."""
+
+    def __init__(self, cfg: DrafterConfig, comm: Communicator | None = None):
         super().__init__()
         self.cfg = cfg
-        h = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        comm = comm or LocalComm()
+        self.comm = comm if shard_world(cfg, comm.world_size) > 1 else LocalComm()
+        h, w = cfg.hidden_size, self.comm.world_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h // w, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+            DFlashDecoderLayer(cfg, i, self.comm) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
@@ -65,8 +85,11 @@ class DFlashModel(nn.Module):
         (`stack_context_kv`), every layer's at once: one matmul, one k norm, one rotation, a
         few dozen ops whatever the layer count, where layer by layer takes ~15 per layer (a
         commit runs eagerly after each step, so its op count is host time on the step's path)."""
-        dtype = self.fc.weight.dtype
-        ctx = self.hidden_norm(self.fc(hidden.to(dtype)))  # [..., T, H]
+        dtype, w = self.fc.weight.dtype, self.comm.world_size
+        if w > 1:  # row-parallel fc: this rank's columns of the hidden states, sums all-reduced
+            part = hidden.shape[-1] // w
+            hidden = hidden.narrow(-1, self.comm.rank * part, part)
+        ctx = self.hidden_norm(self.comm.all_reduce(self.fc(hidden.to(dtype))))  # [..., T, H]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # [..., T, Dh]
         w = self._stacked_kv()
         if w is None:
@@ -81,6 +104,14 @@ class DFlashModel(nn.Module):
         kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + attn.k_norm.eps)
         k = norm * kf.to(k.dtype)  # `RMSNorm`'s operations, every layer at once
         return apply_rope(k, cos, sin), v
+
+    def shard_dim(self, name: str) -> int | None:
+        """The dimension at which this rank holds 1/W of state_dict tensor `name` (the slice at
+        rank * size), or None where it holds the whole tensor."""
+        if self.comm.world_size == 1:
+            return None
+        parts = name.split(".")
+        return SHARD_DIM.get(parts[-2]) if len(parts) >= 2 and parts[-1] == "weight" else None
 
     def stack_context_kv(self) -> None:
         """Rebind every layer's k_proj and v_proj weight to a view of one [L * 2 * KVH * Dh, H]
@@ -152,7 +183,7 @@ class DFlashDrafter(Drafter):
         self.cache = ContextCache(
             cfg.num_hidden_layers,
             capacity,
-            cfg.num_key_value_heads,
+            model.layers[0].self_attn.n_kv,  # this rank's KV heads
             cfg.head_dim,
             max_streams,
             dtype=w.dtype,

@@ -147,6 +147,7 @@ class ModelRunner:
         return load_drafter(
             drafter, self.model_cfg, self.model, max_streams=self.cfg.max_streams,
             max_context=self.cfg.num_slots, dtype=self.cfg.torch_dtype, device=self.device,
+            comm=self.comm,
         )  # fmt: skip
 
     # ---- admission -------------------------------------------------------------------------

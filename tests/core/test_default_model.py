@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from model_utils import rel_err
-from test_tp_gloo import free_port, run_model, spawn, worker
+from ports import free_port
+from ranks import spawn
+from test_tp_gloo import run_model, worker
 
 from ddserve import LLM, SamplingParams
 from ddserve.config import ModelConfig

@@ -56,12 +56,14 @@ def test_tiny_mask_token_is_the_tokenizers_mask(tmp_path):
 
 
 def test_tensor_parallel_replicas_agree(dflash_setup):
-    """tp=2 over gloo: every rank holds a drafter replica and drafts the same tree; a rank whose
-    tree differed would verify other tokens and corrupt the all-reduced forward."""
+    """tp=2 over gloo (on the CPU even where a GPU is visible): every rank holds its shard of
+    the drafter (the tiny one's 2 KV heads split) and drafts the same tree; a rank whose tree
+    differed would verify other tokens and corrupt the all-reduced forward."""
     from ddserve.engine.llm import LLM
 
     model_dir, drafter_dir, _ = dflash_setup
     prompts, params = ENGINE_PROMPTS[:3], SamplingParams(max_tokens=ENGINE_MAX, ignore_eos=True)
-    with LLM(model_dir, drafter=drafter_dir, tp=2, budget=8, seed=0) as llm:
+    with LLM(model_dir, drafter=drafter_dir, tp=2, budget=8, device="cpu", seed=0) as llm:
+        assert llm.runner.drafter.model.comm.world_size == 2  # sharded, not replicated
         ar = [o.token_ids for o in llm.generate(prompts, params, speculative=False)]
         assert [o.token_ids for o in llm.generate(prompts, params)] == ar

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from model_utils import make_meta, rel_err
 from ports import free_port
+from ranks import spawn
 
 from ddserve.distributed import GlooComm
 from ddserve.kernels import backend
@@ -50,17 +48,6 @@ def check_collectives(comm: GlooComm) -> None:
     for k in range(1, w):
         expected = expected + part(k)
     assert torch.equal(comm.all_reduce_ordered(part(r)), expected)
-
-
-PRELOAD = ["torch", "ddserve.distributed", "ddserve.model.loader"]  # what a rank imports
-
-
-def spawn(fn, args: tuple, nprocs: int) -> None:
-    """`mp.spawn(fn, args, nprocs)` with its processes forked from a server that has imported
-    torch and ddserve once, where spawn imports them again in each process: 8 ranks of the
-    default model on 2 cores start and run in 4 s instead of 16 s."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def worker(rank: int, world: int, port: int, paths: list[str], out: str) -> None:
