@@ -130,3 +130,11 @@ def test_costed_oracle_runs_the_drafter_and_keeps_the_oracles_trees():
     assert drafts == [2] * 5 and commits == [2] * 5  # warm-up, 3 timed, the split step
     for sid, prompt in zip((0, 1), prompts, strict=True):  # the split step ran again after
         assert dflash.cache.length(sid) == len(prompt) + len(runner.streams[sid].output) - 1
+    first = runner.drafter
+    again = bench.run_ddtree([0, 1], 4, warmup=0, steps=2, split_steps=0, depth=3, margin=20.0)
+    assert runner.drafter is first  # the same drafter: graphs keyed by it are replayed
+    assert again.matches_ar == 1.0 and again.committed == [8, 8]
+    other = bench.run_ddtree([0], 4, warmup=0, steps=2, split_steps=0, depth=3, margin=20.0,
+                             corrupt=0.5)  # fmt: skip
+    assert runner.drafter is not first and other.matches_ar == 1.0
+    assert dflash.cache.num_streams == 1
