@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddserve.distributed import LocalComm  # noqa: E402
 from ddserve.drafter.config import DrafterConfig, build_target_layer_ids  # noqa: E402
 from ddserve.drafter.model import DFlashDrafter, DFlashModel  # noqa: E402
+from ddserve.kernels import backend  # noqa: E402
 
 # z-lab/Kimi-K2.5-DFlash as its published conversions describe it (hidden, layers, heads, MLP);
 # its block size and RoPE follow the DFlash papers' K2 setting; no sliding window assumed
@@ -229,12 +230,16 @@ def main() -> None:
                     help="time one rank's shard at this tensor-parallel size, collectives "
                          "left out (their count and bytes are reported); 1: the whole "
                          "drafter")  # fmt: skip
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's default kernel mode (its norms run as one Triton launch "
+                         "each on CUDA)")  # fmt: skip
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print the torch profiler's top ops of one draft and "
                          "one commit at the smallest batch (CPU and CUDA time)")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON output path (default: print)")
     args = ap.parse_args()
+    backend.set_batch_invariant(args.batch_invariant)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = dict(SMALL if args.small else K25_DFLASH)
     if args.layers is not None:
@@ -299,7 +304,7 @@ def main() -> None:
     if args.profile:
         profile(drafter, min(batches), args.commit, width, device, dtype)
     report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
-                  stacked_kv=not args.no_stack, tp=args.tp,
+                  stacked_kv=not args.no_stack, tp=args.tp, batch_invariant=args.batch_invariant,
                   device=torch.cuda.get_device_name() if device == "cuda" else device,
                   torch=torch.__version__, weights_bytes=weights, lm_head_slice_bytes=head,
                   copy_bandwidth_bytes_per_s=bw, rows=rows)  # fmt: skip

@@ -1,0 +1,94 @@
+"""Where a DFlash drafter's time goes inside the engine's DDTree step: the K2.6 rank step (CUDA
+graphs, as `bench_engine.py --cuda-graphs` runs it) with the oracle's draft alone, then paying a
+K2.5-DFlash-sized drafter's cost (`--drafter-tp`'s rank shard, `CostedOracle`), kernel by kernel
+under the torch profiler (which sees the kernels of graph replays too).
+
+    python bench/profile_drafter_step.py --batches 1,10 --budgets 16 --out prof.json
+
+Per batch size C and drafter: the mean step wall time over `--steps` unprofiled steps, then
+over 3 profiled steps the device's kernel time per step grouped by kernel name (count and us
+per step), and the kernels whose time grew most from the oracle to the drafter. Only the first
+budget of `--budgets` runs; the oracle is the perfect one (`--corrupt` 0).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from _util import environment, write_json  # noqa: E402
+from bench_engine import continuation_length, parse_args, setup  # noqa: E402
+
+
+def kernel_times(step, sids, n: int = 3) -> dict[str, list[float]]:
+    """Kernel name -> [count, us] per step over n profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step(sids)
+        torch.cuda.synchronize()
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = out[e.name[:90]]
+            row[0] += 1 / n
+            row[1] += e.time_range.elapsed_us() / n
+    return dict(out)
+
+
+def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        print("Options: bench_engine.py's (--cuda-graphs and --drafter dflash always on).\n")
+    args = parse_args([*sys.argv[1:], "--cuda-graphs", "--drafter", "dflash"])
+    bench, rep = setup(args)
+    runner, dflash, budget = bench.runner, bench.dflash, args.budgets[0]
+    bench.run_ar(bench.sids[: max(args.batches)], 0, continuation_length(args))
+    out = dict(env=environment(), layers=rep["layers"], drafter=rep["drafter"], budget=budget,
+               prefix=args.prefix, rows=[])  # fmt: skip
+    kw = dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0)
+    for c in args.batches:
+        sids, per = bench.sids[:c], {}
+        for name, d in (("oracle", None), ("dflash", dflash)):
+            bench.dflash = d
+            bench._oracle(sids, budget, kw)
+            for _ in range(args.warmup + 1):
+                runner.ddtree_step(sids)
+            torch.cuda.synchronize()
+            walls = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                runner.ddtree_step(sids)  # ends with its device-to-host copy
+                walls.append(time.perf_counter() - t0)
+            kernels = kernel_times(runner.ddtree_step, sids)
+            total = sum(us for _, us in kernels.values())
+            per[name] = dict(step_ms=statistics.mean(walls) * 1e3, kernel_ms=total / 1e3,
+                             kernels_per_step=sum(n for n, _ in kernels.values()),
+                             kernels=kernels)  # fmt: skip
+            row = per[name]
+            print(f"C={c} {name}: step {row['step_ms']:.2f} ms, kernels {total / 1e3:.2f} ms "
+                  f"({row['kernels_per_step']:.0f})", flush=True)  # fmt: skip
+        bench.dflash = dflash
+        grown = []
+        for k in set(per["oracle"]["kernels"]) | set(per["dflash"]["kernels"]):
+            a = per["oracle"]["kernels"].get(k, [0.0, 0.0])
+            b = per["dflash"]["kernels"].get(k, [0.0, 0.0])
+            grown.append(dict(kernel=k, us=b[1] - a[1], count=b[0] - a[0]))
+        grown.sort(key=lambda g: -g["us"])
+        for g in grown[:25]:
+            print(f"   +{g['us']:8.1f} us  +{g['count']:5.1f}x  {g['kernel']}", flush=True)
+        out["rows"].append(dict(batch=c, **per, grown=grown[:60]))
+        write_json(args.out, out)
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
