@@ -31,6 +31,16 @@ class Drafter(ABC):
         for sid, token_ids, hidden in items:
             self.commit(sid, token_ids, hidden)
 
+    def commit_block(self, sids: list, token_ids: list[list[int]], hidden: Tensor) -> None:
+        """`commit_many` with the hidden states as one block [B, W, C]: stream i's committed
+        tokens are token_ids[i], their hidden states hidden[i, :len(token_ids[i])] (rows past
+        that are ignored); the engine's call when the target captures hidden states. Drafters
+        that can commit a fixed-shape block faster (DFlash: one CUDA graph) override it."""
+        self.commit_many([
+            (sid, toks, hidden[i, : len(toks)])
+            for i, (sid, toks) in enumerate(zip(sids, token_ids, strict=True))
+        ])  # fmt: skip
+
     @abstractmethod
     def draft(self, sids: list, bonus: Tensor) -> Tensor:
         """bonus [B] (each stream's last committed token) -> [B, D, V] per-depth logits."""

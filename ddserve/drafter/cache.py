@@ -62,6 +62,13 @@ class ContextCache:
         """Committed context tokens of the stream (all of them, not only those in the ring)."""
         return self._host_len[sid]
 
+    def set_length(self, sid: Hashable, n: int) -> None:
+        """The host's copy of the stream's length after device code (`DFlashDrafter.commit_rows`)
+        wrote its entries and its device length; it never shrinks."""
+        if n < self._host_len[sid]:
+            raise ValueError(f"context length {n} below {self._host_len[sid]}")
+        self._host_len[sid] = n
+
     def append(self, sid: Hashable, k: Tensor, v: Tensor, start: int) -> None:
         """Store k, v [L, T, KVH, Dh] for positions start..start+T-1; the length becomes start+T.
 

@@ -190,6 +190,8 @@ class DFlashDrafter(Drafter):
             device=w.device,
         )
         self._positions = Staging(w.device)  # a batched commit's context positions
+        self._graphs: dict[tuple[int, int], _CommitGraph] = {}  # commit_block's, by (B, W)
+        self._pool = None  # their memory pool, shared (they never run at once)
 
     def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None:
         self.cache.add(sid)
@@ -225,6 +227,56 @@ class DFlashDrafter(Drafter):
         pos = self._positions.put(positions)  # one copy, no stream sync
         k, v = self.model.context_kv(torch.cat(hiddens).to(dev), pos)
         self.cache.append_many(appends, k, v)
+
+    @torch.inference_mode()
+    def commit_block(self, sids: list, token_ids: list[list[int]], hidden: Tensor) -> None:
+        """`Drafter.commit_block`. On CUDA, one replay of a graph captured per block shape (B, W)
+        (`commit_rows`: every row of the block through the context forward, the first
+        len(token_ids[i]) of stream i written to its ring): the same ring and lengths as
+        `commit_many` for ~5 host launches where the eager commit issues ~60 torch ops while
+        the device idles after the step's device-to-host copy. Elsewhere, or for a block the
+        graph cannot take (a stream twice, a count of 0 or above W, W above the ring), eager."""
+        b, w = hidden.shape[:2]
+        counts = [len(t) for t in token_ids]
+        graphable = (
+            hidden.is_cuda and b == len(sids) == len(set(sids)) and w <= self.cache.capacity
+            and all(1 <= c <= w for c in counts)
+        )  # fmt: skip
+        if not graphable:
+            return super().commit_block(sids, token_ids, hidden)
+        starts = []
+        for sid, c in zip(sids, counts, strict=True):
+            n = self.cache.length(sid)
+            if not self._exact_ring and n + c > self.cache.capacity:
+                cap = self.cache.capacity
+                raise ValueError(f"drafter context {n + c} exceeds max_context {cap}")
+            starts.append(n)
+        ints = self.cache.row_ids(sids) + starts + counts
+        g = self._graphs.get((b, w))
+        if g is None:
+            g = self._graphs[(b, w)] = _CommitGraph(self, hidden, ints)  # runs it once, eagerly
+        else:
+            g.replay(hidden, self._positions.put(ints))
+        for sid, n, c in zip(sids, starts, counts, strict=True):
+            self.cache.set_length(sid, n + c)
+
+    def commit_rows(self, hidden: Tensor, rows: Tensor, starts: Tensor, counts: Tensor) -> None:
+        """Pure tensor code of a block commit: hidden [B, W, k*H] (captured layers sorted) at
+        positions starts[i] + j; rows j < counts[i] go to stream row rows[i] of the ring (the
+        others' ring entries are rewritten with their own values) and its length becomes
+        starts[i] + counts[i]. Host lengths are the caller's (`ContextCache.set_length`)."""
+        b, w = hidden.shape[:2]
+        if self._order is not None:
+            hidden = hidden.view(b, w, len(self.capture_layers), -1)[:, :, self._order]
+            hidden = hidden.reshape(b, w, -1)
+        j = torch.arange(w, device=hidden.device)
+        pos = starts[:, None] + j  # [B, W]
+        k, v = self.model.context_kv(hidden, pos)  # [L, B, W, KVH, Dh]
+        keep = (j < counts[:, None])[None, :, :, None, None]  # [1, B, W, 1, 1]
+        r, i = rows[:, None].expand(b, w), pos % self.cache.capacity  # [B, W] each
+        for ring, new in ((self.cache.k, k), (self.cache.v, v)):
+            ring[:, r, i] = torch.where(keep, new.to(ring.dtype), ring[:, r, i])
+        self.cache.lengths[rows] = starts + counts
 
     def _checked(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None):
         """(start position, rows kept, their reordered hidden states) of one commit."""
@@ -275,3 +327,33 @@ class DFlashDrafter(Drafter):
         t = hidden.shape[0]
         blocks = hidden.reshape(t, len(self.capture_layers), -1)  # [T, n_cap, H]
         return blocks[:, self._order].reshape(t, -1)  # [T, k*H]
+
+
+class _CommitGraph:
+    """`DFlashDrafter.commit_rows` captured for one block shape: static inputs (the block's
+    hidden states, and rows, starts and counts as one int tensor) copied in by each replay."""
+
+    def __init__(self, drafter: DFlashDrafter, hidden: Tensor, ints: list[int]) -> None:
+        b, dev = hidden.shape[0], hidden.device
+        self.hidden = hidden.clone()
+        self.ints = torch.tensor(ints, dtype=torch.long, device=dev)
+        rows, starts, counts = self.ints.view(3, b)
+
+        def run() -> None:
+            drafter.commit_rows(self.hidden, rows, starts, counts)
+
+        side = torch.cuda.Stream(dev)  # the real commit, eagerly, outside the capture
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if drafter._pool is None:
+            drafter._pool = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=drafter._pool):
+            run()
+
+    def replay(self, hidden: Tensor, ints: Tensor) -> None:
+        self.hidden.copy_(hidden)
+        self.ints.copy_(ints)
+        self.graph.replay()

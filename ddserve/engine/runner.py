@@ -381,6 +381,17 @@ class ModelRunner:
                 self.allocator.free(b)
             raise
 
+    def _commit_context(self, sts: list[Stream], committed: list[list[int]], hidden) -> None:
+        """The drafter's context: each stream's committed tokens, with their hidden states
+        `hidden` [B, W, C] (row j of stream i: its j-th committed token) when the target
+        captures any."""
+        if hidden is None:
+            self.drafter.commit_many([
+                (st.sid, c, None) for st, c in zip(sts, committed, strict=True)
+            ])  # fmt: skip
+        else:
+            self.drafter.commit_block([st.sid for st in sts], committed, hidden)
+
     # ---- decode ----------------------------------------------------------------------------
     @torch.no_grad()
     def ar_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
@@ -400,11 +411,8 @@ class ModelRunner:
             else:
                 toks = self._sample(sts, out.logits[:, None, :])[:, 0].tolist()  # one D2H copy
             if self.drafter is not None:  # before any stream changes: a failure undoes the step
-                hid = out.hidden
-                self.drafter.commit_many([
-                    (st.sid, [st.output[-1]], None if hid is None else hid[i : i + 1])
-                    for i, st in enumerate(sts)
-                ])  # fmt: skip
+                hid = None if out.hidden is None else out.hidden[:, None]  # [B, 1, C]
+                self._commit_context(sts, [[st.output[-1]] for st in sts], hid)
         outs = {}
         for st, tok in zip(sts, toks, strict=True):
             st.steps += 1
@@ -445,10 +453,9 @@ class ModelRunner:
             width = (len(packed[0]) - 1) // 2
             paths = [p[1 : 1 + p[0]] for p in packed]  # each stream's kept verify rows
             toks = [p[1 + width : 1 + width + p[0]] for p in packed]  # its committed tokens
-            self.drafter.commit_many([  # before any stream changes: a failure undoes the step
-                (st.sid, [st.output[-1]] + t[:-1], None if hidden is None else hidden[i, : len(t)])
-                for i, (st, t) in enumerate(zip(sts, toks, strict=True))
-            ])  # fmt: skip
+            committed = [[st.output[-1]] + t[:-1] for st, t in zip(sts, toks, strict=True)]
+            self._commit_context(sts, committed, hidden)  # before any stream changes: a
+            # failure undoes the step
         outs, kept_slots, dropped = {}, [], []
         for st, block, path, tk in zip(sts, blocks, paths, toks, strict=True):
             kept = set(path)

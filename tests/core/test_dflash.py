@@ -273,6 +273,52 @@ def test_commit_many_of_a_stream_twice_or_of_none_is_sequential_commits():
     torch.testing.assert_close(many.draft(["s"], bonus), one.draft(["s"], bonus))
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer-by-layer", "stacked-kv"])
+def test_block_commit_rows_equal_commit_many(stacked):
+    """`commit_rows` (the pure tensor code a CUDA graph replays for `commit_block`): every row
+    of a fixed [B, W] block through the context forward, the first count of each stream kept,
+    the rest of its ring rewritten with its own values. Its ring and lengths equal
+    `commit_many`'s step after step, as the ring wraps (window 16, 6 rows a block), with the
+    capture layers reordered for `fc`; the eager `commit_block` (CPU) is `commit_many`."""
+    raw = drafter_raw(**CASES["sliding"])
+    model, _ = make_model(raw, seed=6)
+    if stacked:
+        model.stack_context_kv()
+    target, g = FakeTarget(seed=2), torch.Generator().manual_seed(8)
+    many, rows_ = (DFlashDrafter(model, target, max_streams=3, max_context=64) for _ in "ab")
+    block = DFlashDrafter(model, target, max_streams=3, max_context=64)
+    assert many._order is not None  # target_layer_ids [3, 0]: reordered for fc
+    k, sids, w = len(many.capture_layers), ["x", "y", "z"], 6
+    for sid, n in zip(sids, (5, 14, 1), strict=True):
+        first = torch.randn(n, k * H, generator=g)
+        for d in (many, rows_, block):
+            d.add_stream(sid, [0] * n, first)
+    rng = random.Random(3)
+    for _ in range(7):
+        hidden = torch.randn(3, w, k * H, generator=g)
+        counts = [rng.randint(1, w) for _ in sids]
+        toks = [[0] * c for c in counts]
+        pairs = enumerate(zip(sids, toks, strict=True))
+        many.commit_many([(s, t, hidden[i, : len(t)]) for i, (s, t) in pairs])
+        block.commit_block(sids, toks, hidden)
+        starts = [rows_.cache.length(s) for s in sids]
+        with torch.inference_mode():
+            rows_.commit_rows(hidden, rows_.cache.rows(sids), torch.tensor(starts),
+                              torch.tensor(counts))  # fmt: skip
+        for s, n, c in zip(sids, starts, counts, strict=True):
+            rows_.cache.set_length(s, n + c)
+        for d in (rows_, block):
+            torch.testing.assert_close(d.cache.k, many.cache.k, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(d.cache.v, many.cache.v, atol=1e-6, rtol=1e-6)
+            assert torch.equal(d.cache.lengths, many.cache.lengths)
+            assert [d.cache.length(s) for s in sids] == [many.cache.length(s) for s in sids]
+    assert many.cache.length("y") > 2 * many.cache.capacity  # the ring wrapped
+    bonus = torch.tensor([3, 4, 5])
+    torch.testing.assert_close(rows_.draft(sids, bonus), many.draft(sids, bonus))
+    with pytest.raises(ValueError, match="below"):
+        rows_.cache.set_length("x", 0)
+
+
 def test_sliding_drafter_keeps_only_its_window():
     raw = drafter_raw(**CASES["sliding"])
     model, _ = make_model(raw)
