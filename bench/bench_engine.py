@@ -198,7 +198,9 @@ def costed_dflash(args: argparse.Namespace, runner: ModelRunner, layers: int, st
     cfg = drafter_config(shape, context)
     model = random_model(cfg, runner.device, runner.cfg.torch_dtype, tp=args.drafter_tp,
                          seed=args.seed)  # fmt: skip
-    return DFlashDrafter(model, runner.model, max_streams=streams, max_context=context)
+    dflash = DFlashDrafter(model, runner.model, max_streams=streams, max_context=context)
+    dflash.kernels = runner.kernels  # as the engine sets a drafter it loads
+    return dflash
 
 
 def drafter_bytes(dflash) -> int:

@@ -5,7 +5,9 @@ under the torch profiler (which sees the kernels of graph replays too).
 
     python bench/profile_drafter_step.py --batches 1,10 --budgets 16 --out prof.json
 
-Per batch size C and drafter: the mean step wall time over `--steps` unprofiled steps, then
+Per batch size C and drafter (the oracle alone; the DFlash drafter's cost with its context commit
+replayed from a CUDA graph; the same with the commit eager): the mean step wall time over
+`--steps` unprofiled steps, then
 over 3 profiled steps the device's kernel time per step grouped by kernel name (count and us
 per step), and the kernels whose time grew most from the oracle to the drafter. Only the first
 budget of `--budgets` runs; the oracle is the perfect one (`--corrupt` 0).
@@ -57,8 +59,10 @@ def main() -> None:
     kw = dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0)
     for c in args.batches:
         sids, per = bench.sids[:c], {}
-        for name, d in (("oracle", None), ("dflash", dflash)):
+        for name, d in (("oracle", None), ("dflash", dflash), ("dflash-eager-commit", dflash)):
             bench.dflash = d
+            if d is not None:
+                d.graph_commits = name == "dflash"
             bench._oracle(sids, budget, kw)
             for _ in range(args.warmup + 1):
                 runner.ddtree_step(sids)
@@ -76,7 +80,7 @@ def main() -> None:
             row = per[name]
             print(f"C={c} {name}: step {row['step_ms']:.2f} ms, kernels {total / 1e3:.2f} ms "
                   f"({row['kernels_per_step']:.0f})", flush=True)  # fmt: skip
-        bench.dflash = dflash
+        bench.dflash, dflash.graph_commits = dflash, True
         grown = []
         for k in set(per["oracle"]["kernels"]) | set(per["dflash"]["kernels"]):
             a = per["oracle"]["kernels"].get(k, [0.0, 0.0])

@@ -22,6 +22,7 @@ width do not divide by W is replicated on every rank instead (`shard_world`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
@@ -35,6 +36,7 @@ from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary, apply_rope
+from ddserve.kernels import backend
 from ddserve.kvcache import Staging
 from ddserve.stacked import share_rows, stacked_rows
 
@@ -154,6 +156,19 @@ class DFlashModel(nn.Module):
         return self.norm(x)
 
 
+def _in_kernel_mode(fn):
+    """Run a DFlashDrafter method in the drafter's `kernels` configuration, when it has one."""
+
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        if self.kernels is None:
+            return fn(self, *args, **kwargs)
+        with backend.kernel_mode(self.kernels):
+            return fn(self, *args, **kwargs)
+
+    return run
+
+
 class DFlashDrafter(Drafter):
     """DFlash behind the engine's Drafter seam: add_stream / commit / draft / remove_stream.
 
@@ -190,6 +205,10 @@ class DFlashDrafter(Drafter):
             device=w.device,
         )
         self._positions = Staging(w.device)  # a batched commit's context positions
+        # the engine's kernel configuration (`backend.KernelConfig`): the drafter's own calls
+        # run in it (its norms as the target's kernels), or in the ambient one while None
+        self.kernels = None
+        self.graph_commits = True  # commit_block through its CUDA graphs (False: eagerly)
         self._graphs: dict[tuple[int, int], _CommitGraph] = {}  # commit_block's, by (B, W)
         self._pool = None  # their memory pool, shared (they never run at once)
 
@@ -208,6 +227,7 @@ class DFlashDrafter(Drafter):
         """Append committed tokens' captured hidden states [T, len(capture_layers)*H]."""
         self._append(sid, token_ids, hidden)
 
+    @_in_kernel_mode
     @torch.inference_mode()
     def commit_many(self, items: list[tuple[Hashable, list[int], Tensor | None]]) -> None:
         """One context forward for every stream's committed tokens (their hidden states laid
@@ -228,6 +248,7 @@ class DFlashDrafter(Drafter):
         k, v = self.model.context_kv(torch.cat(hiddens).to(dev), pos)
         self.cache.append_many(appends, k, v)
 
+    @_in_kernel_mode
     @torch.inference_mode()
     def commit_block(self, sids: list, token_ids: list[list[int]], hidden: Tensor) -> None:
         """`Drafter.commit_block`. On CUDA, one replay of a graph captured per block shape (B, W)
@@ -239,7 +260,8 @@ class DFlashDrafter(Drafter):
         b, w = hidden.shape[:2]
         counts = [len(t) for t in token_ids]
         graphable = (
-            hidden.is_cuda and b == len(sids) == len(set(sids)) and w <= self.cache.capacity
+            self.graph_commits and hidden.is_cuda and b == len(sids) == len(set(sids))
+            and w <= self.cache.capacity
             and all(1 <= c <= w for c in counts)
         )  # fmt: skip
         if not graphable:
@@ -290,6 +312,7 @@ class DFlashDrafter(Drafter):
         keep = min(t, self.cache.capacity)  # older rows would be overwritten within this chunk
         return n + t - keep, keep, self._reorder(hidden[t - keep :])  # [keep, k*H]
 
+    @_in_kernel_mode
     @torch.inference_mode()
     def _append(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
         start, keep, hidden = self._checked(sid, token_ids, hidden)
@@ -305,6 +328,7 @@ class DFlashDrafter(Drafter):
     def state_rows(self, sids: list) -> list[int]:
         return self.cache.row_ids(sids)
 
+    @_in_kernel_mode
     @torch.inference_mode()
     def draft_rows(self, rows: Tensor, bonus: Tensor) -> Tensor:
         """`draft` for the context-cache rows [B] of the streams (pure tensor code)."""

@@ -104,6 +104,8 @@ class ModelRunner:
         self._sample_floats = Staging(self.device, torch.float32)  # temperature, top_p
         self._sample_ints = Staging(self.device)  # top_k, seed, step
         self.drafter = self._make_drafter(drafter)
+        if hasattr(self.drafter, "kernels"):  # DFlash: its norms in this engine's kernels
+            self.drafter.kernels = self.kernels
         self.streams: dict[Hashable, Stream] = {}
         self._reserved = 0
         self._admitted = 0

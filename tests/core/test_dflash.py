@@ -319,6 +319,23 @@ def test_block_commit_rows_equal_commit_many(stacked):
         rows_.cache.set_length("x", 0)
 
 
+def test_grouped_attention_is_torch_sdpa_with_gqa():
+    """The drafter's attention (explicit matmuls, a KV head's query heads as one block of rows)
+    against torch's scaled_dot_product_attention with enable_gqa and the same boolean mask."""
+    from ddserve.drafter.layers import grouped_attention
+
+    g = torch.Generator().manual_seed(4)
+    b, q_len, nh, kvh, d, keys = 3, 6, 8, 2, 16, 29
+    q = torch.randn(b, q_len, nh, d, generator=g)
+    k, v = (torch.randn(b, kvh, keys, d, generator=g) for _ in "kv")
+    visible = torch.rand(b, q_len, keys, generator=g) > 0.4
+    visible[..., -q_len:] = True  # every query sees the block
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
+                                          enable_gqa=True)  # fmt: skip
+    got = grouped_attention(q, k, v, visible)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(b, q_len, nh * d))
+
+
 def test_sliding_drafter_keeps_only_its_window():
     raw = drafter_raw(**CASES["sliding"])
     model, _ = make_model(raw)
