@@ -12,7 +12,8 @@ tokens each:
 - draft: `DFlashDrafter.draft_rows` (the block forward and the draft logits), CUDA-graph replay
   (the engine captures it inside the verify graph);
 - commit: `commit_many` of `--commit` tokens per stream (the context forward and the ring write),
-  eager, as the engine runs it after each step;
+  eager; and `commit_block`, the engine's call after each step (the step's [B, block] hidden
+  states, `--commit` rows kept per stream), a CUDA-graph replay on CUDA;
 and the byte floor of each (weights read / copy bandwidth measured in the same run). At `--tp N`
 it runs rank 0's shard on the one GPU with the collectives left out (as `bench_engine.py` runs
 the target's rank slice) and reports how many all-reduces of how many bytes a rank would add.
@@ -30,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -117,7 +119,7 @@ def build(s: dict, context: int, streams: int, device, dtype, stack: bool = True
     model = random_model(cfg, device, dtype, tp, stack)
     gen = torch.Generator(device=device).manual_seed(0)
     hooks = Hooks(s, device, dtype)
-    drafter = DFlashDrafter(model, hooks, max_streams=streams, max_context=context + 256)
+    drafter = DFlashDrafter(model, hooks, max_streams=streams, max_context=context + 2048)
     width = len(drafter.capture_layers) * s["hidden"]  # the target hands over each layer once
     for sid in range(streams):
         hidden = torch.randn(context, width, generator=gen, device=device).to(dtype)
@@ -287,15 +289,24 @@ def main() -> None:
 
         commit_s = timed(commit, device, min(args.reps, 8))  # each call grows the context
         commits.append(commit)
-        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, draft_bytes=draft_bytes,
+        # the engine's call: the step's [B, block, width] hidden block, args.commit rows each
+        # kept (on CUDA a graph replay; its first call captures the graph, untimed)
+        block = torch.randn(b, s["block"], width, generator=gen, device=device).to(dtype)
+        toks = [[1] * args.commit for _ in range(b)]
+        sids = list(range(b))
+        drafter.commit_block(sids, toks, block)
+        block_s = timed(partial(drafter.commit_block, sids, toks, block), device,
+                        min(args.reps, 8))  # fmt: skip
+        row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, commit_block_s=block_s,
+                   draft_bytes=draft_bytes,
                    commit_bytes=fc_kv, draft_floor_s=draft_bytes / bw if bw else None,
                    commit_floor_s=fc_kv / bw if bw else None, **collectives)  # fmt: skip
         rows.append(row)
         floors = ""
         if bw:
             floors = f" (floors {draft_bytes / bw * 1e3:.2f} / {fc_kv / bw * 1e3:.2f})"
-        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms{floors}",
-              flush=True)  # fmt: skip
+        print(f"B={b}: draft {draft_s * 1e3:.2f} ms, commit {commit_s * 1e3:.2f} ms (as a "
+              f"block {block_s * 1e3:.2f}){floors}", flush=True)  # fmt: skip
     # torch ops per commit, counted after every timing (a profiler session can slow later
     # launches: bench/README.md, host_overhead.py)
     for row, commit in zip(rows, commits, strict=True):

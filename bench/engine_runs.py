@@ -89,6 +89,12 @@ class CostedOracle(DeviceOracle):
             self.commit(sid, token_ids, None)  # the oracle's token context
         self.dflash.commit_many(items)
 
+    def commit_block(self, sids, token_ids, hidden) -> None:
+        """The engine's call: the drafter's own block commit (a graph replay on CUDA)."""
+        for sid, toks in zip(sids, token_ids, strict=True):
+            self.commit(sid, toks, None)
+        self.dflash.commit_block(sids, token_ids, hidden)
+
     def state_rows(self, sids: list) -> list[int]:
         """The drafter's rows; the streams' guesses go to the device now, one copy."""
         rows = self.dflash.state_rows(sids)

@@ -47,7 +47,7 @@ def test_cpu_run_writes_a_row_per_batch(tmp_path):
     cfg, model, hooks, _, _ = build(SMALL, 8, 1, "cpu", torch.float32)
     assert rep["weights_bytes"] == 4 * sum(p.numel() for p in model.parameters())
     for r in rep["rows"]:
-        assert r["draft_s"] > 0 and r["commit_s"] > 0
+        assert r["draft_s"] > 0 and r["commit_s"] > 0 and r["commit_block_s"] > 0
         assert 0 < r["commit_bytes"] < r["draft_bytes"]
 
 

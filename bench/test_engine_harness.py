@@ -125,9 +125,11 @@ def test_costed_oracle_runs_the_drafter_and_keeps_the_oracles_trees():
     draft_rows, commit_many = dflash.draft_rows, dflash.commit_many
     dflash.draft_rows = lambda rows, bonus: drafts.append(len(rows)) or draft_rows(rows, bonus)
     dflash.commit_many = lambda items: commits.append(len(items)) or commit_many(items)
+    block = dflash.commit_block  # the engine's call, eager on the CPU (through commit_many)
+    dflash.commit_block = lambda *a: commits.append("block") or block(*a)
     res = bench.run_ddtree([0, 1], 4, warmup=1, steps=3, split_steps=1, depth=3, margin=20.0)
     assert res.matches_ar == 1.0 and res.committed == [8, 8, 8]  # 2 chains of 3 + the bonus
-    assert drafts == [2] * 5 and commits == [2] * 5  # warm-up, 3 timed, the split step
+    assert drafts == [2] * 5 and commits == ["block", 2] * 5  # warm-up, 3 timed, the split
     for sid, prompt in zip((0, 1), prompts, strict=True):  # the split step ran again after
         assert dflash.cache.length(sid) == len(prompt) + len(runner.streams[sid].output) - 1
     first = runner.drafter
