@@ -32,6 +32,13 @@ SHARD_DIM = {
 }  # fmt: skip
 
 
+def reduce_partials(comm: Communicator, y: Tensor) -> Tensor:
+    """The ranks' partial sums of a row-parallel projection, summed on every rank: in rank order
+    in the batch-invariant mode (as the target's), so the bits do not depend on the message
+    size at tp > 2."""
+    return comm.all_reduce_ordered(y) if backend.batch_invariant() else comm.all_reduce(y)
+
+
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in float32, cast back, then scale (the target's order of
     operations, so `backend.rms_norm`: one Triton launch where the engine's batch-invariant
@@ -56,7 +63,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return reduce_partials(
+            self.comm, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        )
 
 
 class DFlashAttention(nn.Module):
@@ -89,17 +98,23 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.kv(x, cos, sin)  # [B, Q, KVH, Dh]
         k = torch.cat((ctx_k, k_blk), dim=1).transpose(1, 2)  # [B, KVH, C+Q, Dh]
         v = torch.cat((ctx_v, v_blk), dim=1).transpose(1, 2)  # [B, KVH, C+Q, Dh]
-        out = grouped_attention(q, k, v, visible)  # [B, Q, NH * Dh]
-        return self.comm.all_reduce(self.o_proj(out))
+        if torch.is_grad_enabled():  # training: SDPA's fused kernels keep no [.., Q, K] scores
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=visible[:, None], enable_gqa=True
+            )  # [B, NH, Q, Dh]; default scale is Dh^-0.5
+            out = out.transpose(1, 2).reshape(b, q_len, -1)
+        else:
+            out = grouped_attention(q, k, v, visible)  # [B, Q, NH * Dh]
+        return reduce_partials(self.comm, self.o_proj(out))
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
     """Softmax attention of q [B, Q, NH, Dh] over k, v [B, KVH, K, Dh] where visible [B, Q, K],
     query head h reading KV head h // (NH / KVH), scale Dh^-0.5 -> [B, Q, NH * Dh]. A KV head's
     query heads go through one matmul as G * Q rows; scores and softmax in float32. Explicit
-    matmuls rather than SDPA: with a mask cuDNN's kernel took ~100 us per call at the K2.5
-    drafter's tp = 8 block shapes (16 queries x 8 heads over ~1.3k keys) and its choice varied
-    between processes, where these few launches take tens of us."""
+    matmuls rather than SDPA at inference: with a mask cuDNN's kernel took ~100 us per call at
+    the K2.5 drafter's tp = 8 block shapes (16 queries x 8 heads over ~1.3k keys), these few
+    launches ~12 us. Training keeps SDPA (its fused kernels store no score matrix)."""
     b, q_len, nh, d = q.shape
     kvh = k.shape[1]
     g = nh // kvh

@@ -23,6 +23,7 @@ width do not divide by W is replicated on every rank instead (`shard_world`).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
@@ -34,12 +35,13 @@ from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.base import Drafter
 from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
-from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm
+from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm, reduce_partials
 from ddserve.drafter.rope import Rotary, apply_rope
 from ddserve.kernels import backend
 from ddserve.kvcache import Staging
 from ddserve.stacked import share_rows, stacked_rows
 
+log = logging.getLogger(__name__)
 KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
 
 
@@ -91,7 +93,7 @@ class DFlashModel(nn.Module):
         if w > 1:  # row-parallel fc: this rank's columns of the hidden states, sums all-reduced
             part = hidden.shape[-1] // w
             hidden = hidden.narrow(-1, self.comm.rank * part, part)
-        ctx = self.hidden_norm(self.comm.all_reduce(self.fc(hidden.to(dtype))))  # [..., T, H]
+        ctx = self.hidden_norm(reduce_partials(self.comm, self.fc(hidden.to(dtype))))  # [.., T, H]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # [..., T, Dh]
         w = self._stacked_kv()
         if w is None:
@@ -210,7 +212,10 @@ class DFlashDrafter(Drafter):
         self.kernels = None
         self.graph_commits = True  # commit_block through its CUDA graphs (False: eagerly)
         self._graphs: dict[tuple[int, int], _CommitGraph] = {}  # commit_block's, by (B, W)
-        self._pool = None  # their memory pool, shared (they never run at once)
+        self._eager: set[tuple[int, int]] = set()  # shapes whose capture failed
+        # what the graphs share (they never run at once): a memory pool and static inputs,
+        # [max_streams, block_size, k*H] hidden states and [3 * max_streams] ints
+        self._pool = self._static_hidden = self._static_ints = None
 
     def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None:
         self.cache.add(sid)
@@ -261,7 +266,7 @@ class DFlashDrafter(Drafter):
         counts = [len(t) for t in token_ids]
         graphable = (
             self.graph_commits and hidden.is_cuda and b == len(sids) == len(set(sids))
-            and w <= self.cache.capacity
+            and w <= min(self.cfg.block_size, self.cache.capacity) and (b, w) not in self._eager
             and all(1 <= c <= w for c in counts)
         )  # fmt: skip
         if not graphable:
@@ -273,14 +278,22 @@ class DFlashDrafter(Drafter):
                 cap = self.cache.capacity
                 raise ValueError(f"drafter context {n + c} exceeds max_context {cap}")
             starts.append(n)
-        ints = self.cache.row_ids(sids) + starts + counts
-        g = self._graphs.get((b, w))
-        if g is None:
-            g = self._graphs[(b, w)] = _CommitGraph(self, hidden, ints)  # runs it once, eagerly
-        else:
-            g.replay(hidden, self._positions.put(ints))
+        g = self._graphs.get((b, w)) or _CommitGraph(self, b, w)
+        g.load(hidden, self._positions.put(self.cache.row_ids(sids) + starts + counts))
+        if (b, w) in self._graphs:
+            g.graph.replay()
+        else:  # this shape's first commit: eagerly (the real one), then its graph captured
+            g.warm_up()
         for sid, n, c in zip(sids, starts, counts, strict=True):
             self.cache.set_length(sid, n + c)
+        if (b, w) not in self._graphs:
+            try:
+                g.capture()
+                self._graphs[(b, w)] = g
+            except Exception:  # noqa: BLE001 - a shape that cannot be captured commits eagerly
+                log.warning("DFlash commit graph for %d streams x %d rows not captured; "
+                            "committing that shape eagerly", b, w, exc_info=True)  # fmt: skip
+                self._eager.add((b, w))
 
     def commit_rows(self, hidden: Tensor, rows: Tensor, starts: Tensor, counts: Tensor) -> None:
         """Pure tensor code of a block commit: hidden [B, W, k*H] (captured layers sorted) at
@@ -354,30 +367,43 @@ class DFlashDrafter(Drafter):
 
 
 class _CommitGraph:
-    """`DFlashDrafter.commit_rows` captured for one block shape: static inputs (the block's
-    hidden states, and rows, starts and counts as one int tensor) copied in by each replay."""
+    """`DFlashDrafter.commit_rows` for one block shape (B, W), over views of the drafter's shared
+    static inputs: `load` copies a commit's hidden states and ints in, then `run` (eagerly) or,
+    once `capture` has run, `graph.replay()`."""
 
-    def __init__(self, drafter: DFlashDrafter, hidden: Tensor, ints: list[int]) -> None:
-        b, dev = hidden.shape[0], hidden.device
-        self.hidden = hidden.clone()
-        self.ints = torch.tensor(ints, dtype=torch.long, device=dev)
-        rows, starts, counts = self.ints.view(3, b)
-
-        def run() -> None:
-            drafter.commit_rows(self.hidden, rows, starts, counts)
-
-        side = torch.cuda.Stream(dev)  # the real commit, eagerly, outside the capture
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        if drafter._pool is None:
+    def __init__(self, drafter: DFlashDrafter, b: int, w: int) -> None:
+        dev, width = drafter.cache.k.device, len(drafter.capture_layers) * drafter.cfg.hidden_size
+        if drafter._static_hidden is None:
+            rows, dtype = drafter.max_streams, drafter.model.fc.weight.dtype
+            drafter._static_hidden = torch.empty(rows, drafter.cfg.block_size, width,
+                                                 dtype=dtype, device=dev)  # fmt: skip
+            drafter._static_ints = torch.empty(3 * rows, dtype=torch.long, device=dev)
             drafter._pool = torch.cuda.graph_pool_handle()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=drafter._pool):
-            run()
+        self.drafter, self.dev = drafter, dev
+        self.hidden = drafter._static_hidden[:b, :w]  # [B, W, k*H]
+        self.ints = drafter._static_ints[: 3 * b]
+        self.graph: torch.cuda.CUDAGraph | None = None
 
-    def replay(self, hidden: Tensor, ints: Tensor) -> None:
+    def load(self, hidden: Tensor, ints: Tensor) -> None:
         self.hidden.copy_(hidden)
         self.ints.copy_(ints)
-        self.graph.replay()
+
+    def run(self) -> None:
+        rows, starts, counts = self.ints.view(3, -1)
+        self.drafter.commit_rows(self.hidden, rows, starts, counts)
+
+    def warm_up(self) -> None:
+        """`run` on a side stream, ordered after and before the current stream's work (lazy
+        initialisations happen outside the capture, as `torch.cuda.graph` advises)."""
+        main, side = torch.cuda.current_stream(self.dev), torch.cuda.Stream(self.dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.run()
+        main.wait_stream(side)
+
+    def capture(self) -> None:
+        """Record `run`; nothing runs (a capture does not execute its kernels)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.drafter._pool):
+            self.run()
+        self.graph = graph

@@ -68,3 +68,28 @@ def test_graphed_block_commit_equals_commit_many():
             assert [graphed.cache.length(s) for s in sids] == [eager.cache.length(s) for s in sids]
     assert len(graphed._graphs) == 4  # (2 or 3 streams) x (5 or 8 rows), captured once each
     assert graphed.cache.length("b") > 2 * graphed.cache.capacity  # the ring wrapped
+
+
+def test_a_shape_whose_capture_fails_commits_eagerly(monkeypatch):
+    """The first commit of a shape runs eagerly and counts (host and device lengths agree) even
+    when its graph then cannot be captured; that shape stays eager, the ring still equal."""
+    from ddserve.drafter import model as dflash_model
+
+    def fail(self):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(dflash_model._CommitGraph, "capture", fail)
+    graphed, eager = drafter_pair()
+    k = len(eager.capture_layers)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    with backend.invariant_mode(True):
+        for d in (graphed, eager):
+            d.add_stream("a", [0] * 4, torch.randn(4, k * H, generator=g, device="cuda").bfloat16())
+        for _ in range(3):
+            hidden = torch.randn(1, 6, k * H, generator=g, device="cuda").bfloat16()
+            graphed.commit_block(["a"], [[0] * 4], hidden)
+            eager.commit_many([("a", [0] * 4, hidden[0, :4])])
+    assert graphed._graphs == {} and graphed._eager == {(1, 6)}
+    assert graphed.cache.length("a") == eager.cache.length("a") == 16
+    assert torch.equal(graphed.cache.lengths, eager.cache.lengths)
+    torch.testing.assert_close(graphed.cache.k, eager.cache.k, atol=2e-2, rtol=2e-2)
