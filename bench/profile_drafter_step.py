@@ -57,6 +57,7 @@ def main() -> None:
     out = dict(env=environment(), layers=rep["layers"], drafter=rep["drafter"], budget=budget,
                prefix=args.prefix, rows=[])  # fmt: skip
     kw = dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0)
+    default_commits = dflash.graph_commits
     for c in args.batches:
         sids, per = bench.sids[:c], {}
         for name, d in (("oracle", None), ("dflash", dflash), ("dflash-eager-commit", dflash)):
@@ -80,7 +81,7 @@ def main() -> None:
             row = per[name]
             print(f"C={c} {name}: step {row['step_ms']:.2f} ms, kernels {total / 1e3:.2f} ms "
                   f"({row['kernels_per_step']:.0f})", flush=True)  # fmt: skip
-        bench.dflash, dflash.graph_commits = dflash, True
+        bench.dflash, dflash.graph_commits = dflash, default_commits
         grown = []
         for k in set(per["oracle"]["kernels"]) | set(per["dflash"]["kernels"]):
             a = per["oracle"]["kernels"].get(k, [0.0, 0.0])

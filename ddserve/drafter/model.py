@@ -210,7 +210,9 @@ class DFlashDrafter(Drafter):
         # the engine's kernel configuration (`backend.KernelConfig`): the drafter's own calls
         # run in it (its norms as the target's kernels), or in the ambient one while None
         self.kernels = None
-        self.graph_commits = True  # commit_block through its CUDA graphs (False: eagerly)
+        # commit_block through its CUDA graphs; off (eager `commit_many`) until that path has
+        # been timed in an engine step and its current form run on a GPU
+        self.graph_commits = False
         self._graphs: dict[tuple[int, int], _CommitGraph] = {}  # commit_block's, by (B, W)
         self._eager: set[tuple[int, int]] = set()  # shapes whose capture failed
         # what the graphs share (they never run at once): a memory pool and static inputs,
@@ -256,7 +258,8 @@ class DFlashDrafter(Drafter):
     @_in_kernel_mode
     @torch.inference_mode()
     def commit_block(self, sids: list, token_ids: list[list[int]], hidden: Tensor) -> None:
-        """`Drafter.commit_block`. On CUDA, one replay of a graph captured per block shape (B, W)
+        """`Drafter.commit_block`. On CUDA with `graph_commits` on (off by default until
+        timed in an engine step), one replay of a graph captured per block shape (B, W)
         (`commit_rows`: every row of the block through the context forward, the first
         len(token_ids[i]) of stream i written to its ring): the same ring and lengths as
         `commit_many` for ~5 host launches where the eager commit issues ~60 torch ops while

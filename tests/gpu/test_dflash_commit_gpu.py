@@ -41,7 +41,9 @@ def drafter_pair():
     model.load_state_dict(random_weights(cfg, seed=4, std=0.1))
     model = model.to("cuda", torch.bfloat16)
     model.stack_context_kv()
-    return [DFlashDrafter(model, Hooks(), max_streams=4, max_context=512) for _ in range(2)]
+    pair = [DFlashDrafter(model, Hooks(), max_streams=4, max_context=512) for _ in range(2)]
+    pair[0].graph_commits = True  # the graphed commit, off by default until timed
+    return pair
 
 
 def test_graphed_block_commit_equals_commit_many():
