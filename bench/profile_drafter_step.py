@@ -5,16 +5,21 @@ under the torch profiler (which sees the kernels of graph replays too).
 
     python bench/profile_drafter_step.py --batches 1,10 --budgets 16 --out prof.json
 
-Per batch size C and drafter (the oracle alone; the DFlash drafter's cost with its context commit
-replayed from a CUDA graph; the same with the commit eager): the mean step wall time over
-`--steps` unprofiled steps, then
-over 3 profiled steps the device's kernel time per step grouped by kernel name (count and us
-per step), and the kernels whose time grew most from the oracle to the drafter. Only the first
-budget of `--budgets` runs; the oracle is the perfect one (`--corrupt` 0).
+Per batch size C: the oracle alone, then the drafter's work under each of `--variants` (comma
+list of `drafter_variants.py`'s: default, graph-commit, sdpa, pad8, fp32-pv; default
+"default,graph-commit"), each with its own verify graph: the mean step wall time over `--steps`
+unprofiled steps, then over 3 profiled steps the device's kernel time per step grouped by
+kernel name (count and us per step), and the kernels whose time grew most from the oracle to
+the first variant. Only the first budget of `--budgets` runs; the oracle is the perfect one
+(`--corrupt` 0).
+
+    python bench/profile_drafter_step.py --batches 1,10 --budgets 16 \\
+        --variants default,graph-commit,sdpa,pad8,fp32-pv
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -27,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from _util import environment, write_json  # noqa: E402
 from bench_engine import continuation_length, parse_args, setup  # noqa: E402
+from drafter_variants import variant  # noqa: E402
 
 
 def kernel_times(step, sids, n: int = 3) -> dict[str, list[float]]:
@@ -46,46 +52,58 @@ def kernel_times(step, sids, n: int = 3) -> dict[str, list[float]]:
     return dict(out)
 
 
+def timed_steps(bench, runner, sids, budget: int, kw: dict, args) -> dict:
+    """Warm-up steps, `args.steps` timed steps, then 3 profiled ones."""
+    bench._oracle(sids, budget, kw)
+    for _ in range(args.warmup + 1):
+        runner.ddtree_step(sids)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        runner.ddtree_step(sids)  # ends with its device-to-host copy
+        walls.append(time.perf_counter() - t0)
+    kernels = kernel_times(runner.ddtree_step, sids)
+    total = sum(us for _, us in kernels.values())
+    return dict(step_ms=statistics.mean(walls) * 1e3, kernel_ms=total / 1e3,
+                kernels_per_step=sum(n for n, _ in kernels.values()),
+                kernels=kernels)  # fmt: skip
+
+
 def main() -> None:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__)
         print("Options: bench_engine.py's (--cuda-graphs and --drafter dflash always on).\n")
-    args = parse_args([*sys.argv[1:], "--cuda-graphs", "--drafter", "dflash"])
+    argv, variants = list(sys.argv[1:]), ["default", "graph-commit"]
+    if "--variants" in argv:  # this script's own option; the rest are bench_engine.py's
+        i = argv.index("--variants")
+        variants = argv[i + 1].split(",")
+        del argv[i : i + 2]
+    args = parse_args([*argv, "--cuda-graphs", "--drafter", "dflash"])
     bench, rep = setup(args)
     runner, dflash, budget = bench.runner, bench.dflash, args.budgets[0]
     bench.run_ar(bench.sids[: max(args.batches)], 0, continuation_length(args))
     out = dict(env=environment(), layers=rep["layers"], drafter=rep["drafter"], budget=budget,
-               prefix=args.prefix, rows=[])  # fmt: skip
+               prefix=args.prefix, variants=variants, rows=[])  # fmt: skip
     kw = dict(depth=args.depth, corrupt=0.0, margin=20.0, seed=0)
-    default_commits = dflash.graph_commits
+    for name in variants:
+        variant(name, dflash)  # unknown names fail before any run
     for c in args.batches:
         sids, per = bench.sids[:c], {}
-        for name, d in (("oracle", None), ("dflash", dflash), ("dflash-eager-commit", dflash)):
-            bench.dflash = d
-            if d is not None:
-                d.graph_commits = name == "dflash"
-            bench._oracle(sids, budget, kw)
-            for _ in range(args.warmup + 1):
-                runner.ddtree_step(sids)
-            torch.cuda.synchronize()
-            walls = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                runner.ddtree_step(sids)  # ends with its device-to-host copy
-                walls.append(time.perf_counter() - t0)
-            kernels = kernel_times(runner.ddtree_step, sids)
-            total = sum(us for _, us in kernels.values())
-            per[name] = dict(step_ms=statistics.mean(walls) * 1e3, kernel_ms=total / 1e3,
-                             kernels_per_step=sum(n for n, _ in kernels.values()),
-                             kernels=kernels)  # fmt: skip
+        for name in ["oracle", *variants]:
+            bench.dflash = None if name == "oracle" else dflash
+            bench._costed.clear()  # a new drafter object: the verify graph captured afresh
+            with contextlib.nullcontext() if name == "oracle" else variant(name, dflash):
+                per[name] = timed_steps(bench, runner, sids, budget, kw, args)
             row = per[name]
-            print(f"C={c} {name}: step {row['step_ms']:.2f} ms, kernels {total / 1e3:.2f} ms "
-                  f"({row['kernels_per_step']:.0f})", flush=True)  # fmt: skip
-        bench.dflash, dflash.graph_commits = dflash, default_commits
+            print(f"C={c} {name}: step {row['step_ms']:.2f} ms, kernels {row['kernel_ms']:.2f} "
+                  f"ms ({row['kernels_per_step']:.0f})", flush=True)  # fmt: skip
+        bench.dflash = dflash
         grown = []
-        for k in set(per["oracle"]["kernels"]) | set(per["dflash"]["kernels"]):
+        first = per[variants[0]]["kernels"]
+        for k in set(per["oracle"]["kernels"]) | set(first):
             a = per["oracle"]["kernels"].get(k, [0.0, 0.0])
-            b = per["dflash"]["kernels"].get(k, [0.0, 0.0])
+            b = first.get(k, [0.0, 0.0])
             grown.append(dict(kernel=k, us=b[1] - a[1], count=b[0] - a[0]))
         grown.sort(key=lambda g: -g["us"])
         for g in grown[:25]:

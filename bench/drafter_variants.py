@@ -1,0 +1,93 @@
+"""Variants of the DFlash drafter's step work for A/B runs (`profile_drafter_step.py --variants`,
+`bench_drafter.py --variant`): each is a context manager that swaps one piece of the drafter's
+code for the duration and restores it. The package keeps what production runs; candidates
+live here until a GPU run says which to adopt.
+
+- default: the code in use;
+- graph-commit: `commit_block` through its CUDA graphs (`DFlashDrafter.graph_commits`);
+- sdpa: attention through torch's scaled_dot_product_attention with the boolean mask (cuDNN on
+  an H200), the drafter's attention before `grouped_attention`;
+- pad8: `grouped_attention` with the keys padded to a multiple of 8 (zero keys and values,
+  masked), so cuBLAS can pick aligned kernels whatever the ring's capacity;
+- fp32-pv: `grouped_attention` with the probabilities-times-values matmul in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ddserve.drafter import layers
+
+
+def sdpa_attention(q, k, v, visible):
+    """torch's SDPA with GQA and the mask: q [B, Q, NH, Dh], k, v [B, KVH, K, Dh] ->
+    [B, Q, NH * Dh]."""
+    b, q_len = q.shape[:2]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=visible[:, None], enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(b, q_len, -1)
+
+
+def padded_attention(q, k, v, visible, multiple: int = 8):
+    """`grouped_attention` over keys padded with zeros (and masked) to a multiple of `multiple`."""
+    pad = -k.shape[2] % multiple
+    if pad:
+        k = F.pad(k, (0, 0, 0, pad))
+        v = F.pad(v, (0, 0, 0, pad))
+        visible = F.pad(visible, (0, pad), value=False)
+    return _GROUPED(q, k, v, visible)
+
+
+def fp32_pv_attention(q, k, v, visible):
+    """`grouped_attention` with probabilities times values in float32."""
+    b, q_len, nh, d = q.shape
+    kvh = k.shape[1]
+    g = nh // kvh
+    qg = q.transpose(1, 2).reshape(b, kvh, g * q_len, d).float() * d**-0.5
+    scores = torch.matmul(qg, k.float().transpose(-1, -2))
+    scores = scores.view(b, kvh, g, q_len, -1).masked_fill(~visible[:, None, None], float("-inf"))
+    probs = scores.softmax(-1).view(b, kvh, g * q_len, -1)
+    out = torch.matmul(probs, v.float()).to(v.dtype)
+    return out.view(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d)
+
+
+_GROUPED = layers.grouped_attention
+
+
+@contextlib.contextmanager
+def _attention(fn: Callable) -> Iterator[None]:
+    layers.grouped_attention = fn
+    try:
+        yield
+    finally:
+        layers.grouped_attention = _GROUPED
+
+
+@contextlib.contextmanager
+def _graph_commits(dflash) -> Iterator[None]:
+    before, dflash.graph_commits = dflash.graph_commits, True
+    try:
+        yield
+    finally:
+        dflash.graph_commits = before
+
+
+VARIANTS: dict[str, Callable] = {
+    "default": lambda dflash: contextlib.nullcontext(),
+    "graph-commit": _graph_commits,
+    "sdpa": lambda dflash: _attention(sdpa_attention),
+    "pad8": lambda dflash: _attention(padded_attention),
+    "fp32-pv": lambda dflash: _attention(fp32_pv_attention),
+}
+
+
+def variant(name: str, dflash) -> contextlib.AbstractContextManager:
+    """The context manager that runs `name` on drafter `dflash` (a DFlashDrafter)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown drafter variant {name!r}; known: {', '.join(VARIANTS)}")
+    return VARIANTS[name](dflash)
