@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 MODES="tests exactness moe attention dense engine profile serve pair step drafter"
 MODE=${1:-}
 if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
-  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
