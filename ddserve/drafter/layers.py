@@ -33,10 +33,13 @@ SHARD_DIM = {
 
 
 def reduce_partials(comm: Communicator, y: Tensor) -> Tensor:
-    """The ranks' partial sums of a row-parallel projection, summed on every rank: in rank order
-    in the batch-invariant mode (as the target's), so the bits do not depend on the message
-    size at tp > 2."""
-    return comm.all_reduce_ordered(y) if backend.batch_invariant() else comm.all_reduce(y)
+    """The ranks' partial sums of a row-parallel projection, summed on every rank. A plain
+    all-reduce, also in the batch-invariant mode: NCCL's ring and tree algorithms leave every
+    rank the same bits (each sum is taken once and then copied), which is all the drafter needs
+    (each rank builds the same tree); its bits may follow the message size, which changes
+    drafts, never outputs (DDTree == AR for any drafter), where the target's rank-ordered sum
+    would cost an all-gather of W times the bytes per call (13 calls a draft)."""
+    return comm.all_reduce(y)
 
 
 class RMSNorm(nn.Module):
