@@ -89,9 +89,9 @@ class DFlashModel(nn.Module):
         (`stack_context_kv`), every layer's at once: one matmul, one k norm, one rotation, a
         few dozen ops whatever the layer count, where layer by layer takes ~15 per layer (a
         commit runs eagerly after each step, so its op count is host time on the step's path)."""
-        dtype, w = self.fc.weight.dtype, self.comm.world_size
-        if w > 1:  # row-parallel fc: this rank's columns of the hidden states, sums all-reduced
-            part = hidden.shape[-1] // w
+        dtype, world = self.fc.weight.dtype, self.comm.world_size
+        if world > 1:  # row-parallel fc: this rank's columns of the hidden states, all-reduced
+            part = hidden.shape[-1] // world
             hidden = hidden.narrow(-1, self.comm.rank * part, part)
         ctx = self.hidden_norm(reduce_partials(self.comm, self.fc(hidden.to(dtype))))  # [.., T, H]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # [..., T, Dh]
