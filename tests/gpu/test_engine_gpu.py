@@ -78,15 +78,34 @@ def test_nccl_comm_collectives_on_two_gpus() -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_offline_llm_tp2_over_nccl_equals_tp1(model_dir) -> None:
+    """float32: tp = 2 (the DFlash drafter sharded too: 2 KV heads, one a rank) gives tp = 1's
+    tokens."""
     pytest.importorskip("cupy")
     from ddserve import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=16)
     kw = dict(drafter=model_dir / "drafter", budget=8, device="cuda", dtype="float32")
     with LLM(model_dir, tp=1, **kw) as one, LLM(model_dir, tp=2, **kw) as two:
+        assert two.runner.drafter.model.comm.world_size == 2
         a = [o.token_ids for o in one.generate(PROMPTS, params)]
         b = [o.token_ids for o in two.generate(PROMPTS, params)]
     assert a == b
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_ddtree_with_a_sharded_drafter_in_graphs_equals_ar(model_dir) -> None:
+    """bf16, CUDA graphs, batch-invariant kernels at tp = 2 over NCCL: the sharded DFlash
+    drafter's all-reduces captured in the verify graph; DDTree gives plain AR's tokens."""
+    pytest.importorskip("cupy")
+    from ddserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=24)
+    kw = dict(drafter=model_dir / "drafter", budget=8, device="cuda", dtype="bfloat16",
+              cuda_graphs=True)  # fmt: skip
+    with LLM(model_dir, tp=2, **kw) as two:
+        assert two.runner.drafter.model.comm.world_size == 2
+        ar = [o.token_ids for o in two.generate(PROMPTS, params, speculative=False)]
+        assert [o.token_ids for o in two.generate(PROMPTS, params)] == ar
 
 
 def test_graph_replay_matches_the_eager_forward(model_dir) -> None:
