@@ -47,4 +47,4 @@ def test_graph_commit_variant_toggles_and_restores():
         assert not d.graph_commits
     with pytest.raises(ValueError, match="unknown drafter variant"):
         variant("nope", d)
-    assert set(VARIANTS) == {"default", "graph-commit", "sdpa", "pad8", "fp32-pv"}
+    assert set(VARIANTS) == {"default", "graph-commit", "sdpa", "pad8", "fp32-pv", "triton-ring"}

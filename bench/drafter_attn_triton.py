@@ -1,0 +1,186 @@
+"""A candidate fused attention for the DFlash drafter's block forward (an experiment for
+`drafter_variants.py`'s "triton-ring" variant; not in the package): the block's queries read
+each stream's context keys and values straight from the drafter's ring (`ContextCache.k/v` of
+one layer, the stream's row), and the block's own keys, in one split-key pass, then one merge,
+where the code in use gathers each layer's ring rows (`index_select`), concatenates the block's
+keys, casts and runs ~12 torch kernels.
+
+`ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible)`:
+- q [B, Q, NH, Dh]; ring_k, ring_v [S, C, KVH, Dh] (one layer); rows [B] (the streams' rows);
+  k_blk, v_blk [B, Q, KVH, Dh]; visible [B, Q, C + Q] (the context columns, then the block's);
+- query head h reads KV head h // (NH / KVH); scale Dh^-0.5; the two products' inputs in the
+  cache's dtype (tensor cores in bf16), scores, softmax and sums in fp32;
+- -> [B, Q, NH * Dh] in q's dtype: `layers.grouped_attention` over the gathered keys, up to
+  float rounding (a test in the Triton interpreter checks it).
+
+Partial pass: one program per (stream, KV head, split of the C + Q keys); its BLOCK_M rows are the
+KV head's G * Q (query head, query) pairs, so one key tile serves all the query heads that read it.
+Each split writes its rows' unnormalised sums and log-sum-exp; the merge weights them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, rk_ptr, rv_ptr, rows_ptr, kb_ptr, vb_ptr, vis_ptr, po_ptr, pl_ptr,
+    C, KEYS,
+    sq_b, sq_q, sq_h, sr_s, sr_c, sr_h, sb_b, sb_q, sb_h, sv_b, sv_q,
+    Q: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+    NSPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid, split = tl.program_id(0), tl.program_id(1)
+    b, h = pid // KVH, pid % KVH
+    m = tl.arange(0, BLOCK_M)
+    qi, g = m % Q, m // Q
+    row_ok = m < G * Q
+    d = tl.arange(0, D)
+    qp = q_ptr + b * sq_b + qi[:, None] * sq_q + (h * G + g)[:, None] * sq_h + d[None, :]
+    kind = rk_ptr.dtype.element_ty  # tensor-core inputs in the cache's dtype, sums in fp32
+    qv = (tl.load(qp, mask=row_ok[:, None], other=0.0).to(tl.float32) * (D**-0.5)).to(kind)
+    ring = tl.load(rows_ptr + b)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    lo = split * CHUNK
+    for start in range(0, CHUNK, BLOCK_N):
+        n = lo + start + tl.arange(0, BLOCK_N)
+        in_ctx, in_blk = n < C, (n >= C) & (n < KEYS)
+        ctx_off = ring * sr_s + n[:, None] * sr_c + h * sr_h + d[None, :]
+        blk_off = b * sb_b + (n - C)[:, None] * sb_q + h * sb_h + d[None, :]
+        k = tl.where(in_ctx[:, None], tl.load(rk_ptr + ctx_off, mask=in_ctx[:, None], other=0.0),
+                     tl.load(kb_ptr + blk_off, mask=in_blk[:, None], other=0.0))  # fmt: skip
+        v = tl.where(in_ctx[:, None], tl.load(rv_ptr + ctx_off, mask=in_ctx[:, None], other=0.0),
+                     tl.load(vb_ptr + blk_off, mask=in_blk[:, None], other=0.0))  # fmt: skip
+        vis = tl.load(vis_ptr + b * sv_b + qi[:, None] * sv_q + n[None, :],
+                      mask=row_ok[:, None] & (n < KEYS)[None, :], other=0)  # fmt: skip
+        s = tl.dot(qv, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        s = tl.where(vis != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kind), v)
+        m_i = m_new
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+    out = (pid * NSPLIT + split) * BLOCK_M + m
+    tl.store(pl_ptr + out, lse)
+    tl.store(po_ptr + out[:, None] * D + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    po_ptr, pl_ptr, out_ptr, so_b, so_q,
+    Q: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+    NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    pid, m = tl.program_id(0), tl.program_id(1)
+    b, h = pid // KVH, pid % KVH
+    qi, g = m % Q, m // Q
+    s = tl.arange(0, BLOCK_S)
+    idx = (pid * NSPLIT + s) * BLOCK_M + m
+    lse = tl.load(pl_ptr + idx, mask=s < NSPLIT, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp(lse - top)  # 0 for empty splits
+    d = tl.arange(0, D)
+    parts = tl.load(po_ptr + idx[:, None] * D + d[None, :], mask=(s < NSPLIT)[:, None], other=0.0)
+    o = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * so_b + qi * so_q + (h * G + g) * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+def ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, block_n: int = 64,
+                   keys_per_split: int = 256) -> torch.Tensor:  # fmt: skip
+    """See the module docstring."""
+    b, q_len, nh, d = q.shape
+    c, kvh = ring_k.shape[1], ring_k.shape[2]
+    g = nh // kvh
+    keys = c + q_len
+    chunk = max(block_n, -(-keys_per_split // block_n) * block_n)
+    nsplit = -(-keys // chunk)
+    block_m = max(16, triton.next_power_of_2(g * q_len))
+    for t in (ring_k, ring_v, k_blk, v_blk):
+        if t.stride(-1) != 1 or t.stride(-2) != d:
+            raise ValueError("ring_attention needs [..., KVH, Dh] rows laid out densely")
+    if ring_k.stride() != ring_v.stride() or k_blk.stride() != v_blk.stride():
+        raise ValueError("ring_attention needs k and v laid out alike")
+    q = q.contiguous()
+    vis = visible.to(torch.int8).contiguous()
+    po = torch.empty(b * kvh * nsplit * block_m, d, dtype=torch.float32, device=q.device)
+    pl = torch.empty(b * kvh * nsplit * block_m, dtype=torch.float32, device=q.device)
+    _partial_kernel[(b * kvh, nsplit)](
+        q, ring_k, ring_v, rows, k_blk, v_blk, vis, po, pl,
+        c, keys,
+        q.stride(0), q.stride(1), q.stride(2), ring_k.stride(0), ring_k.stride(1),
+        ring_k.stride(2), k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
+        vis.stride(0), vis.stride(1),
+        Q=q_len, G=g, KVH=kvh, D=d, NSPLIT=nsplit, CHUNK=chunk, BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )  # fmt: skip
+    out = torch.empty(b, q_len, nh * d, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b * kvh, g * q_len)](
+        po, pl, out, out.stride(0), out.stride(1),
+        Q=q_len, G=g, KVH=kvh, D=d, NSPLIT=nsplit, BLOCK_M=block_m,
+        BLOCK_S=max(2, triton.next_power_of_2(nsplit)),
+    )  # fmt: skip
+    return out
+
+
+def self_check() -> None:
+    """Against `grouped_attention` over the gathered keys (run under TRITON_INTERPRET=1 on a
+    CPU): ragged masks, a ring row per stream out of order, splits that end inside the block's
+    keys, fp32."""
+    from ddserve.drafter.layers import grouped_attention
+
+    gen = torch.Generator().manual_seed(0)
+    for b, q_len, nh, kvh, d, c, per_split in ((2, 3, 4, 2, 16, 37, 16), (1, 5, 8, 1, 16, 20, 64)):
+        q = torch.randn(b, q_len, nh, d, generator=gen)
+        ring_k, ring_v = (torch.randn(4, c, kvh, d, generator=gen) for _ in "kv")
+        rows = torch.tensor([3, 1][:b])
+        k_blk, v_blk = (torch.randn(b, q_len, kvh, d, generator=gen) for _ in "kv")
+        visible = torch.rand(b, q_len, c + q_len, generator=gen) > 0.4
+        visible[..., c:] = True  # the block sees itself
+        visible[0, 0, :c] = False  # a query with no context at all
+        want = grouped_attention(
+            q,
+            torch.cat((ring_k[rows], k_blk), 1).transpose(1, 2),
+            torch.cat((ring_v[rows], v_blk), 1).transpose(1, 2),
+            visible,
+        )
+        got = ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, block_n=16,
+                             keys_per_split=per_split)  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def variant_check() -> None:
+    """A small drafter's draft logits under `drafter_variants`' "triton-ring" equal the code in
+    use's (float32, interpreter), over streams whose rings wrapped."""
+    from bench_drafter import SMALL, build
+    from drafter_variants import variant
+
+    cfg, model, hooks, drafter, width = build(dict(SMALL, head_dim=16), 40, 3, "cpu",
+                                              torch.float32)  # fmt: skip
+    rows = torch.tensor(drafter.state_rows([2, 0]))
+    bonus = torch.tensor([5, 9])
+    want = drafter.draft_rows(rows, bonus)
+    import drafter_attn_triton as mod  # the module the variant imports (not __main__)
+
+    calls, kernel = [], mod.ring_attention
+    mod.ring_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    try:
+        with variant("triton-ring", drafter):
+            got = drafter.draft_rows(rows, bonus)
+    finally:
+        mod.ring_attention = kernel
+    assert len(calls) == cfg.num_hidden_layers  # every layer attended in the ring
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+if __name__ == "__main__":
+    self_check()
+    variant_check()
+    print("ring_attention == grouped_attention; the triton-ring variant drafts the same logits")
