@@ -10,6 +10,9 @@ live here until a GPU run says which to adopt.
 - pad8: `grouped_attention` with the keys padded to a multiple of 8 (zero keys and values,
   masked), so cuBLAS can pick aligned kernels whatever the ring's capacity;
 - fp32-pv: `grouped_attention` with the probabilities-times-values matmul in float32;
+- stacked-mlp: each layer's gate and up projections as one matmul over stacked weights
+  (`stacked.share_rows`, as the target's shared expert) and SiLU-times-up as one launch
+  (`backend.silu_mul`);
 - triton-ring: attention by `drafter_attn_triton.ring_attention`, which reads the context from
   the ring in place (no per-layer `index_select` of every stream's context, no concatenation):
   two launches per layer where the code in use has ~12.
@@ -26,6 +29,8 @@ import torch.nn.functional as F
 from ddserve.drafter import layers
 from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.rope import apply_rope
+from ddserve.kernels import backend
+from ddserve.stacked import share_rows, stacked_rows
 
 
 def sdpa_attention(q, k, v, visible):
@@ -109,6 +114,27 @@ def _attention(fn: Callable) -> Iterator[None]:
         layers.grouped_attention = _GROUPED
 
 
+_MLP_FORWARD = layers.MLP.forward
+
+
+def _stacked_mlp_forward(self, x):
+    w = stacked_rows(self.gate_proj.weight, self.up_proj.weight)
+    if w is None:
+        return _MLP_FORWARD(self, x)
+    return layers.reduce_partials(self.comm, self.down_proj(backend.silu_mul(F.linear(x, w))))
+
+
+@contextlib.contextmanager
+def _stacked_mlp(dflash) -> Iterator[None]:
+    for layer in dflash.model.layers:  # the weights stay stacked after: the same values
+        share_rows(layer.mlp.gate_proj, layer.mlp.up_proj)
+    layers.MLP.forward = _stacked_mlp_forward
+    try:
+        yield
+    finally:
+        layers.MLP.forward = _MLP_FORWARD
+
+
 @contextlib.contextmanager
 def _graph_commits(dflash) -> Iterator[None]:
     before, dflash.graph_commits = dflash.graph_commits, True
@@ -125,6 +151,7 @@ VARIANTS: dict[str, Callable] = {
     "pad8": lambda dflash: _attention(padded_attention),
     "fp32-pv": lambda dflash: _attention(fp32_pv_attention),
     "triton-ring": lambda dflash: _ring_attention(),
+    "stacked-mlp": _stacked_mlp,
 }
 
 

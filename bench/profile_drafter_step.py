@@ -6,15 +6,15 @@ under the torch profiler (which sees the kernels of graph replays too).
     python bench/profile_drafter_step.py --batches 1,10 --budgets 16 --out prof.json
 
 Per batch size C: the oracle alone, then the drafter's work under each of `--variants` (comma
-list of `drafter_variants.py`'s: default, graph-commit, sdpa, pad8, fp32-pv, triton-ring; default
-"default,graph-commit"), each with its own verify graph: the mean step wall time over `--steps`
-unprofiled steps, then over 3 profiled steps the device's kernel time per step grouped by
-kernel name (count and us per step), and the kernels whose time grew most from the oracle to
-the first variant. Only the first budget of `--budgets` runs; the oracle is the perfect one
-(`--corrupt` 0).
+list of `drafter_variants.py`'s: default, graph-commit, sdpa, pad8, fp32-pv, triton-ring,
+stacked-mlp; default "default,graph-commit"), each with its own verify graph: the mean step
+wall time over `--steps` unprofiled steps, then over 3 profiled steps the device's kernel time
+per step grouped by kernel name (count and us per step), and the kernels whose time grew most
+from the oracle to the first variant. Only the first budget of `--budgets` runs; the oracle
+is the perfect one (`--corrupt` 0).
 
     python bench/profile_drafter_step.py --batches 1,10 --budgets 16 \\
-        --variants default,graph-commit,sdpa,pad8,fp32-pv,triton-ring
+        --variants default,graph-commit,sdpa,pad8,fp32-pv,triton-ring,stacked-mlp
 """
 
 from __future__ import annotations

@@ -47,4 +47,21 @@ def test_graph_commit_variant_toggles_and_restores():
         assert not d.graph_commits
     with pytest.raises(ValueError, match="unknown drafter variant"):
         variant("nope", d)
-    assert set(VARIANTS) == {"default", "graph-commit", "sdpa", "pad8", "fp32-pv", "triton-ring"}
+    assert set(VARIANTS) == {"default", "graph-commit", "sdpa", "pad8", "fp32-pv", "triton-ring",
+                             "stacked-mlp"}  # fmt: skip
+
+
+def test_stacked_mlp_variant_drafts_the_same_logits():
+    """Gate and up as one matmul over stacked weights, SiLU-times-up in one call: the same draft
+    logits as the code in use (float32), and the MLP's own forward back after the variant."""
+    from bench_drafter import SMALL, build
+
+    cfg, model, hooks, drafter, width = build(SMALL, 24, 2, "cpu", torch.float32)
+    rows, bonus = torch.tensor(drafter.state_rows([1, 0])), torch.tensor([4, 7])
+    want = drafter.draft_rows(rows, bonus)
+    forward = layers.MLP.forward
+    with variant("stacked-mlp", drafter):
+        assert layers.MLP.forward is not forward
+        got = drafter.draft_rows(rows, bonus)
+    assert layers.MLP.forward is forward
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
