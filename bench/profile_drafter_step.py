@@ -40,17 +40,23 @@ def kernel_times(step, sids, n: int = 3) -> dict[str, list[float]]:
     """Kernel name -> [count, us] per step over n profiled steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()  # elsewhere (a CPU smoke run) the CPU's top-level ops
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             step(sids)
-        torch.cuda.synchronize()
+        sync()
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA or (not cuda and e.cpu_parent is None):
             row = out[e.name[:90]]
             row[0] += 1 / n
             row[1] += e.time_range.elapsed_us() / n
     return dict(out)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def run(bench, runner, sids, budget: int, kw: dict, args, profiled: bool) -> dict:
@@ -58,7 +64,7 @@ def run(bench, runner, sids, budget: int, kw: dict, args, profiled: bool) -> dic
     bench._oracle(sids, budget, kw)
     for _ in range(args.warmup + 1):
         runner.ddtree_step(sids)
-    torch.cuda.synchronize()
+    sync()
     if profiled:
         kernels = kernel_times(runner.ddtree_step, sids)
         return dict(kernel_ms=sum(us for _, us in kernels.values()) / 1e3,
