@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-import torch
 import torch.nn.functional as F
 
 from ddserve.drafter import layers
@@ -55,15 +54,7 @@ def padded_attention(q, k, v, visible, multiple: int = 8):
 
 def fp32_pv_attention(q, k, v, visible):
     """`grouped_attention` with probabilities times values in float32."""
-    b, q_len, nh, d = q.shape
-    kvh = k.shape[1]
-    g = nh // kvh
-    qg = q.transpose(1, 2).reshape(b, kvh, g * q_len, d).float() * d**-0.5
-    scores = torch.matmul(qg, k.float().transpose(-1, -2))
-    scores = scores.view(b, kvh, g, q_len, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    probs = scores.softmax(-1).view(b, kvh, g * q_len, -1)
-    out = torch.matmul(probs, v.float()).to(v.dtype)
-    return out.view(b, nh, q_len, d).transpose(1, 2).reshape(b, q_len, nh * d)
+    return _GROUPED(q, k, v.float(), visible).to(v.dtype)
 
 
 _GROUPED = layers.grouped_attention
@@ -93,7 +84,7 @@ def _ring_forward(self, x, cos, sin, ctx_k, ctx_v, visible):
     q = apply_rope(self.q_norm(q), cos, sin)  # [B, Q, NH, Dh]
     k_blk, v_blk = self.kv(x, cos, sin)  # [B, Q, KVH, Dh]
     out = ring_attention(q, ctx_k.ring, ctx_v.ring, ctx_k.rows, k_blk, v_blk, visible)
-    return layers.reduce_partials(self.comm, self.o_proj(out))
+    return self.comm.all_reduce(self.o_proj(out))
 
 
 @contextlib.contextmanager
@@ -121,7 +112,7 @@ def _stacked_mlp_forward(self, x):
     w = stacked_rows(self.gate_proj.weight, self.up_proj.weight)
     if w is None:
         return _MLP_FORWARD(self, x)
-    return layers.reduce_partials(self.comm, self.down_proj(backend.silu_mul(F.linear(x, w))))
+    return self.comm.all_reduce(self.down_proj(backend.silu_mul(F.linear(x, w))))
 
 
 @contextlib.contextmanager

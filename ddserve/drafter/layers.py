@@ -9,7 +9,12 @@ Parameter names match published DFlash checkpoints (`layers.N.self_attn.q_proj.w
 Tensor parallelism (`comm.world_size` W > 1): each rank holds 1/W of the query and KV heads
 (contiguous, so a rank's query heads use its own KV heads) and of the MLP's intermediate
 features; q/k/v/gate/up are split by output rows, o/down by input columns and their partial
-outputs summed with one all-reduce each. Every rank ends each sublayer with the same sum.
+outputs summed with one all-reduce each. Every rank ends each sublayer with the same sum. The
+all-reduce is the plain one, also in the batch-invariant mode: NCCL's ring and tree algorithms
+leave every rank the same bits (each sum is taken once, then copied), which is all the drafter
+needs (each rank builds the same tree); those bits may follow the message size, which changes
+drafts, never outputs (DDTree == AR for any drafter), where the target's rank-ordered sum would
+all-gather W times the bytes, 13 times a draft.
 """
 
 from __future__ import annotations
@@ -30,16 +35,6 @@ SHARD_DIM = {
     "q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
     "o_proj": 1, "down_proj": 1, "fc": 1,
 }  # fmt: skip
-
-
-def reduce_partials(comm: Communicator, y: Tensor) -> Tensor:
-    """The ranks' partial sums of a row-parallel projection, summed on every rank. A plain
-    all-reduce, also in the batch-invariant mode: NCCL's ring and tree algorithms leave every
-    rank the same bits (each sum is taken once and then copied), which is all the drafter needs
-    (each rank builds the same tree); its bits may follow the message size, which changes
-    drafts, never outputs (DDTree == AR for any drafter), where the target's rank-ordered sum
-    would cost an all-gather of W times the bytes per call (13 calls a draft)."""
-    return comm.all_reduce(y)
 
 
 class RMSNorm(nn.Module):
@@ -66,9 +61,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return reduce_partials(
-            self.comm, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        )
+        return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DFlashAttention(nn.Module):
@@ -108,7 +101,7 @@ class DFlashAttention(nn.Module):
             out = out.transpose(1, 2).reshape(b, q_len, -1)
         else:
             out = grouped_attention(q, k, v, visible)  # [B, Q, NH * Dh]
-        return reduce_partials(self.comm, self.o_proj(out))
+        return self.comm.all_reduce(self.o_proj(out))
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:

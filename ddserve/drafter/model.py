@@ -35,7 +35,7 @@ from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.base import Drafter
 from ddserve.drafter.cache import ContextCache
 from ddserve.drafter.config import DrafterConfig
-from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm, reduce_partials
+from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary, apply_rope
 from ddserve.kernels import backend
 from ddserve.kvcache import Staging
@@ -93,7 +93,7 @@ class DFlashModel(nn.Module):
         if world > 1:  # row-parallel fc: this rank's columns of the hidden states, all-reduced
             part = hidden.shape[-1] // world
             hidden = hidden.narrow(-1, self.comm.rank * part, part)
-        ctx = self.hidden_norm(reduce_partials(self.comm, self.fc(hidden.to(dtype))))  # [.., T, H]
+        ctx = self.hidden_norm(self.comm.all_reduce(self.fc(hidden.to(dtype))))  # [..., T, H]
         cos, sin = self.rotary.cos_sin(positions, dtype)  # [..., T, Dh]
         w = self._stacked_kv()
         if w is None:
