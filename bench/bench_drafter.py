@@ -294,11 +294,9 @@ def main() -> None:
         block = torch.randn(b, s["block"], width, generator=gen, device=device).to(dtype)
         toks = [[1] * args.commit for _ in range(b)]
         sids = list(range(b))
-        drafter.graph_commits = True  # what this column times (the engine's default: eager)
         drafter.commit_block(sids, toks, block)
         block_s = timed(partial(drafter.commit_block, sids, toks, block), device,
                         min(args.reps, 8))  # fmt: skip
-        drafter.graph_commits = False
         row = dict(batch=b, draft_s=draft_s, commit_s=commit_s, commit_block_s=block_s,
                    draft_bytes=draft_bytes,
                    commit_bytes=fc_kv, draft_floor_s=draft_bytes / bw if bw else None,

@@ -21,9 +21,9 @@
 #               pytest -k); the engine bench is `engine` mode
 #   drafter     a K2.5-DFlash-sized drafter as one rank's tp = 8 shard: its draft, commit and block
 #               commit (bench_drafter.py); the engine's DDTree step paying its work, by variant
-#               (profile_drafter_step.py: default, graph-commit, sdpa, pad8, fp32-pv, triton-ring,
-#               stacked-mlp) and against AR (bench_engine.py --drafter dflash); then the
-#               drafter's GPU tests
+#               (profile_drafter_step.py: default, eager-commit, gathered, both, stacked-mlp)
+#               and against AR (bench_engine.py --drafter dflash); then the drafter's GPU tests
+#               and DDTree == AR with DFlash drafters (gpu_engine_check.py)
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,14 +115,16 @@ case "$MODE" in
     step drafter_tp8 200 python3 bench/bench_drafter.py --batches 1,5,10 --tp 8 --profile \
       --out "$OUT/drafter_tp8.json" "$@"
     step profile_drafter 400 python3 bench/profile_drafter_step.py --batches 1,10 --budgets 16 \
-      --steps 8 --variants default,graph-commit,sdpa,pad8,fp32-pv,triton-ring,stacked-mlp \
+      --steps 8 --variants default,eager-commit,gathered,eager-commit+gathered,stacked-mlp \
       --out "$OUT/profile_drafter.json"
     step engine_dflash 300 python3 bench/bench_engine.py --cuda-graphs --batches 1,5,10 \
       --budgets 16 --corrupt 0.19 --steps 12 --drafter dflash --out "$OUT/engine_dflash.json"
     step pytest_drafter 200 python3 -m pytest -q -p no:cacheprovider -rf tests/core/test_dflash.py \
       tests/core/test_dflash_engine.py tests/gpu/test_dflash_commit_gpu.py \
-      bench/test_drafter_attn_triton.py \
+      tests/gpu/test_drafter_attn_gpu.py \
       tests/gpu/test_engine_gpu.py tests/gpu/test_warmup_gpu.py
+    step engine_check_dflash 200 python3 bench/gpu_engine_check.py --dtypes bfloat16 \
+      --drafters dflash --out "$OUT/engine_check_dflash.json"
     ;;
 esac
 [ -n "${DRY:-}" ] || tail -c 11000 "$LOG"

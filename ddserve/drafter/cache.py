@@ -10,11 +10,20 @@ Which ring entries are live, and their positions, follow from the stream's lengt
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ddserve.kvcache import Staging
+
+
+class RingRows(NamedTuple):
+    """One layer's ring (k or v) [S, C, KVH, Dh] and the rows [B] of the streams reading it:
+    a context handed to the attention ungathered (`kernels.drafter_attn` reads it in place)."""
+
+    ring: Tensor
+    rows: Tensor
 
 
 class ContextCache:
@@ -117,8 +126,11 @@ class ContextCache:
         """Pool rows of `sids`, in order: [B] long on the cache's device."""
         return torch.tensor(self.row_ids(sids), dtype=torch.long, device=self.k.device)
 
-    def layer(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """Context k, v of one layer for the given rows: [B, C, KVH, Dh] each."""
+    def layer(self, layer: int, rows: Tensor, in_place: bool = False) -> tuple:
+        """Context k, v of one layer for the given rows: [B, C, KVH, Dh] each, gathered; or with
+        `in_place` the layer's rings and the rows (`RingRows` each), nothing copied."""
+        if in_place:
+            return RingRows(self.k[layer], rows), RingRows(self.v[layer], rows)
         return self.k[layer].index_select(0, rows), self.v[layer].index_select(0, rows)
 
     def positions(self, rows: Tensor) -> tuple[Tensor, Tensor]:

@@ -24,9 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddserve.distributed import Communicator, LocalComm
+from ddserve.drafter.cache import RingRows
 from ddserve.drafter.config import SLIDING, DrafterConfig
 from ddserve.drafter.rope import apply_rope
 from ddserve.kernels import backend
+
+Ctx = Tensor | RingRows  # a layer's context keys or values, gathered or in the ring
 
 # Which dimension of each projection's weight a rank holds 1/W of (the checkpoint's full tensor
 # is cut there when loaded): output rows for the column-parallel ones, input columns for the
@@ -85,13 +88,21 @@ class DFlashAttention(nn.Module):
         return k, self.v_proj(x).view(shape)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, visible: Tensor
+        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Ctx, ctx_v: Ctx, visible: Tensor
     ) -> Tensor:
-        """x [B, Q, H]; cos/sin [B, Q, Dh]; ctx_k/ctx_v [B, C, KVH, Dh]; visible [B, Q, C+Q]."""
+        """x [B, Q, H]; cos/sin [B, Q, Dh]; ctx_k/ctx_v [B, C, KVH, Dh] gathered, or the
+        layer's rings and the streams' rows (`RingRows`, inference on CUDA: read in place by
+        `backend.ring_attention`, gathered here where it cannot); visible [B, Q, C+Q]."""
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin)  # [B, Q, NH, Dh]
         k_blk, v_blk = self.kv(x, cos, sin)  # [B, Q, KVH, Dh]
+        if isinstance(ctx_k, RingRows):
+            out = backend.ring_attention(q, ctx_k.ring, ctx_v.ring, ctx_k.rows, k_blk, v_blk,
+                                         visible)  # fmt: skip
+            if out is not None:
+                return self.comm.all_reduce(self.o_proj(out))
+            ctx_k, ctx_v = (c.ring.index_select(0, c.rows) for c in (ctx_k, ctx_v))
         k = torch.cat((ctx_k, k_blk), dim=1).transpose(1, 2)  # [B, KVH, C+Q, Dh]
         v = torch.cat((ctx_v, v_blk), dim=1).transpose(1, 2)  # [B, KVH, C+Q, Dh]
         if torch.is_grad_enabled():  # training: SDPA's fused kernels keep no [.., Q, K] scores
@@ -137,7 +148,7 @@ class DFlashDecoderLayer(nn.Module):
         return self.self_attn.kv(ctx, cos, sin)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, visible: Tensor
+        self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Ctx, ctx_v: Ctx, visible: Tensor
     ) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible)
         return h + self.mlp(self.post_attention_layernorm(h))

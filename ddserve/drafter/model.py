@@ -42,7 +42,7 @@ from ddserve.kvcache import Staging
 from ddserve.stacked import share_rows, stacked_rows
 
 log = logging.getLogger(__name__)
-KVFn = Callable[[int], tuple[Tensor, Tensor]]  # layer -> context k, v [B, C, KVH, Dh]
+KVFn = Callable[[int], tuple]  # layer -> context k, v ([B, C, KVH, Dh] each, or `RingRows`)
 
 
 class TargetHooks(Protocol):
@@ -210,9 +210,10 @@ class DFlashDrafter(Drafter):
         # the engine's kernel configuration (`backend.KernelConfig`): the drafter's own calls
         # run in it (its norms as the target's kernels), or in the ambient one while None
         self.kernels = None
-        # commit_block through its CUDA graphs; off (eager `commit_many`) until that path has
-        # been timed in an engine step and its current form run on a GPU
-        self.graph_commits = False
+        # commit_block through its CUDA graphs (on CUDA; `commit_many` eagerly where off) and
+        # the block attention reading the context in the ring (`kernels.drafter_attn`, a
+        # Triton kernel; gathered rows where off): both on where the drafter lives on CUDA
+        self.graph_commits = self.ring_attention = w.is_cuda
         self._graphs: dict[tuple[int, int], _CommitGraph] = {}  # commit_block's, by (B, W)
         self._eager: set[tuple[int, int]] = set()  # shapes whose capture failed
         # what the graphs share (they never run at once): a memory pool and static inputs,
@@ -258,13 +259,14 @@ class DFlashDrafter(Drafter):
     @_in_kernel_mode
     @torch.inference_mode()
     def commit_block(self, sids: list, token_ids: list[list[int]], hidden: Tensor) -> None:
-        """`Drafter.commit_block`. On CUDA with `graph_commits` on (off by default until
-        timed in an engine step), one replay of a graph captured per block shape (B, W)
-        (`commit_rows`: every row of the block through the context forward, the first
-        len(token_ids[i]) of stream i written to its ring): the same ring and lengths as
-        `commit_many` for ~5 host launches where the eager commit issues ~60 torch ops while
-        the device idles after the step's device-to-host copy. Elsewhere, or for a block the
-        graph cannot take (a stream twice, a count of 0 or above W, W above the ring), eager."""
+        """`Drafter.commit_block`. On CUDA with `graph_commits` on (the default there), one
+        replay of a graph captured per block shape (B, W) (`commit_rows`: every row of the
+        block through the context forward, the first len(token_ids[i]) of stream i written to
+        its ring): the same ring and lengths as `commit_many` for ~5 host launches where the
+        eager commit issues ~60 torch ops while the device idles after the step's
+        device-to-host copy (1.1 ms less per K2.5-sized DDTree step on an H100: BENCHMARKS.md).
+        Elsewhere, or for a block the graph cannot take (a stream twice, a count of 0 or above
+        W, W above the ring), eager."""
         b, w = hidden.shape[:2]
         counts = [len(t) for t in token_ids]
         graphable = (
@@ -356,7 +358,12 @@ class DFlashDrafter(Drafter):
         n = self.cache.lengths.index_select(0, rows)  # [B]
         positions = n[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
         ctx_pos, ctx_live = self.cache.positions(rows)  # [B, C]
-        h = self.model.block(x, positions, ctx_pos, ctx_live, lambda i: self.cache.layer(i, rows))
+        in_place = self.ring_attention
+
+        def context(i: int) -> tuple:
+            return self.cache.layer(i, rows, in_place)
+
+        h = self.model.block(x, positions, ctx_pos, ctx_live, context)
         logits = self.target.lm_logits(h[:, 1:].reshape(b * self.depth, -1))  # [B*D, V]
         return logits.float().reshape(b, self.depth, -1)
 

@@ -54,6 +54,9 @@ log-probs): `draft_topk._segment_kernel` + `_select_kernel` (k <= 256; torch's l
 topk beyond it and on CPU); its second stage (the tree from those top-k, best-first pops, the
 torch beam's tensors bit for bit): `tree_beam._tree_beam_kernel` (budget <= 256; the torch beam
 `ddtree.tree.tree_from_topk_torch` beyond it and on CPU).
+CUDA, either mode: the DFlash drafter's block attention reads each stream's context in its ring
+(`ring_attention`: `drafter_attn._partial_kernel` + `_merge_kernel`); on CPU the drafter
+gathers the rows and runs torch matmuls (`drafter.layers.grouped_attention`).
 CUDA, batch-invariant mode off: the same MoE; tree attention `tree_attn_triton._tree_attn_kernel`
 (tiles tuned per call); linear / bmm_heads / rms_norm / row_sum in torch.
 """
@@ -186,6 +189,19 @@ def draft_topk(
     use = kernels is not None and kernels.supports(draft_logits, k)
     _note("draft_topk", "triton fused" if use else f"torch (k={k}, {draft_logits.dtype})")
     return kernels.draft_topk(draft_logits, k, floor) if use else None
+
+
+def ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible) -> torch.Tensor | None:
+    """The DFlash drafter's block attention over each stream's context read in place in its ring
+    (`drafter_attn.ring_attention`, shapes there) where Triton imports; None elsewhere, and the
+    caller gathers the rows and runs `drafter.layers.grouped_attention`. The drafter asks for it
+    where it lives on CUDA (`DFlashDrafter.ring_attention`). Not tied to batch-invariant mode:
+    the draft only shapes which tokens are verified."""
+    kernels = _triton_module("drafter_attn")
+    _note("drafter_attn", "triton, ring in place" if kernels else "torch, rows gathered")
+    if kernels is None:
+        return None
+    return kernels.ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible)
 
 
 def tree_beam(

@@ -426,3 +426,21 @@ def test_published_config_layout_parses():
     cfg = DrafterConfig.from_hf(raw)
     assert cfg.block_size == 16 and cfg.rope.theta == 500000.0 and cfg.rope.kind == "default"
     assert cfg.target_layer_ids == (1, 33)  # round(1 + i*(36-4)/(2-1))
+
+
+def test_ring_context_without_triton_gathers_the_rows(monkeypatch):
+    """A drafter asked to read its ring in place where the kernel does not import gathers the
+    rows itself: the same draft logits as the gathered path."""
+    from ddserve.kernels import backend
+
+    monkeypatch.setattr(backend, "_triton_module", lambda name: None)
+    model, _ = make_model(drafter_raw(), seed=2)
+    drafter = DFlashDrafter(model, FakeTarget(), max_streams=2)
+    g = torch.Generator().manual_seed(0)
+    width = len(drafter.capture_layers) * H
+    for sid, n in (("a", 20), ("b", 3)):
+        drafter.add_stream(sid, [1] * n, torch.randn(n, width, generator=g))
+    rows, bonus = torch.tensor(drafter.state_rows(["a", "b"])), torch.tensor([4, 8])
+    want = drafter.draft_rows(rows, bonus)
+    drafter.ring_attention = True
+    assert torch.equal(drafter.draft_rows(rows, bonus), want)

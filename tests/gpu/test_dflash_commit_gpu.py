@@ -85,8 +85,9 @@ def test_a_shape_whose_capture_fails_commits_eagerly(monkeypatch):
     k = len(eager.capture_layers)
     g = torch.Generator(device="cuda").manual_seed(3)
     with backend.invariant_mode(True):
+        prompt = torch.randn(4, k * H, generator=g, device="cuda").bfloat16()
         for d in (graphed, eager):
-            d.add_stream("a", [0] * 4, torch.randn(4, k * H, generator=g, device="cuda").bfloat16())
+            d.add_stream("a", [0] * 4, prompt)
         for _ in range(3):
             hidden = torch.randn(1, 6, k * H, generator=g, device="cuda").bfloat16()
             graphed.commit_block(["a"], [[0] * 4], hidden)

@@ -1,21 +1,26 @@
-"""A candidate fused attention for the DFlash drafter's block forward (an experiment for
-`drafter_variants.py`'s "triton-ring" variant; not in the package): the block's queries read
-each stream's context keys and values straight from the drafter's ring (`ContextCache.k/v` of
-one layer, the stream's row), and the block's own keys, in one split-key pass, then one merge,
-where the code in use gathers each layer's ring rows (`index_select`), concatenates the block's
-keys, casts and runs ~12 torch kernels.
+"""The DFlash drafter's block attention at inference on CUDA, reading the context in place:
+the block's queries attend each stream's context keys and values straight from the drafter's
+ring (`ContextCache.k/v` of one layer, at the stream's row) and the block's own keys, in one
+split-key pass and one merge (two launches per layer), where gathering the rows first
+(`ContextCache.layer` + `layers.grouped_attention`, the CPU path) copies every stream's whole
+context per layer and runs ~12 kernels, among them a values product cuBLAS runs unaligned when
+the ring's length is not a multiple of 8.
 
 `ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible)`:
 - q [B, Q, NH, Dh]; ring_k, ring_v [S, C, KVH, Dh] (one layer); rows [B] (the streams' rows);
-  k_blk, v_blk [B, Q, KVH, Dh]; visible [B, Q, C + Q] (the context columns, then the block's);
+  k_blk, v_blk [B, Q, KVH, Dh]; visible [B, Q, C + Q] bool (the context columns, then the
+  block's);
 - query head h reads KV head h // (NH / KVH); scale Dh^-0.5; the two products' inputs in the
   cache's dtype (tensor cores in bf16), scores, softmax and sums in fp32;
-- -> [B, Q, NH * Dh] in q's dtype: `layers.grouped_attention` over the gathered keys, up to
-  float rounding (a test in the Triton interpreter checks it).
+- -> [B, Q, NH * Dh] in q's dtype: `layers.grouped_attention` over the gathered keys up to
+  float rounding (tests/kernels/test_drafter_attn_interp.py in the interpreter,
+  tests/gpu/test_drafter_attn_gpu.py in bf16 on the GPU).
 
 Partial pass: one program per (stream, KV head, split of the C + Q keys); its BLOCK_M rows are the
-KV head's G * Q (query head, query) pairs, so one key tile serves all the query heads that read it.
-Each split writes its rows' unnormalised sums and log-sum-exp; the merge weights them.
+KV head's G * Q (query head, query) pairs, so one key tile serves all the query heads that read
+it. Each split writes its rows' normalised sums and log-sum-exp; the merge weights them. Launch
+shapes follow (B, Q, C) only: CUDA-graph safe, no host sync. The drafter's draft changes which
+tree is verified, never the committed tokens, so its arithmetic need not be batch-invariant.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ def ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, block_n: int 
     if ring_k.stride() != ring_v.stride() or k_blk.stride() != v_blk.stride():
         raise ValueError("ring_attention needs k and v laid out alike")
     q = q.contiguous()
-    vis = visible.to(torch.int8).contiguous()
+    vis = visible.contiguous().view(torch.int8)  # same bytes, no copy
     po = torch.empty(b * kvh * nsplit * block_m, d, dtype=torch.float32, device=q.device)
     pl = torch.empty(b * kvh * nsplit * block_m, dtype=torch.float32, device=q.device)
     _partial_kernel[(b * kvh, nsplit)](
@@ -128,59 +133,3 @@ def ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, block_n: int 
         BLOCK_S=max(2, triton.next_power_of_2(nsplit)),
     )  # fmt: skip
     return out
-
-
-def self_check() -> None:
-    """Against `grouped_attention` over the gathered keys (run under TRITON_INTERPRET=1 on a
-    CPU): ragged masks, a ring row per stream out of order, splits that end inside the block's
-    keys, fp32."""
-    from ddserve.drafter.layers import grouped_attention
-
-    gen = torch.Generator().manual_seed(0)
-    for b, q_len, nh, kvh, d, c, per_split in ((2, 3, 4, 2, 16, 37, 16), (1, 5, 8, 1, 16, 20, 64)):
-        q = torch.randn(b, q_len, nh, d, generator=gen)
-        ring_k, ring_v = (torch.randn(4, c, kvh, d, generator=gen) for _ in "kv")
-        rows = torch.tensor([3, 1][:b])
-        k_blk, v_blk = (torch.randn(b, q_len, kvh, d, generator=gen) for _ in "kv")
-        visible = torch.rand(b, q_len, c + q_len, generator=gen) > 0.4
-        visible[..., c:] = True  # the block sees itself
-        visible[0, 0, :c] = False  # a query with no context at all
-        want = grouped_attention(
-            q,
-            torch.cat((ring_k[rows], k_blk), 1).transpose(1, 2),
-            torch.cat((ring_v[rows], v_blk), 1).transpose(1, 2),
-            visible,
-        )
-        got = ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, block_n=16,
-                             keys_per_split=per_split)  # fmt: skip
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-def variant_check() -> None:
-    """A small drafter's draft logits under `drafter_variants`' "triton-ring" equal the code in
-    use's (float32, interpreter), over streams whose rings wrapped."""
-    from bench_drafter import SMALL, build
-    from drafter_variants import variant
-
-    cfg, model, hooks, drafter, width = build(dict(SMALL, head_dim=16), 40, 3, "cpu",
-                                              torch.float32)  # fmt: skip
-    rows = torch.tensor(drafter.state_rows([2, 0]))
-    bonus = torch.tensor([5, 9])
-    want = drafter.draft_rows(rows, bonus)
-    import drafter_attn_triton as mod  # the module the variant imports (not __main__)
-
-    calls, kernel = [], mod.ring_attention
-    mod.ring_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    try:
-        with variant("triton-ring", drafter):
-            got = drafter.draft_rows(rows, bonus)
-    finally:
-        mod.ring_attention = kernel
-    assert len(calls) == cfg.num_hidden_layers  # every layer attended in the ring
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-if __name__ == "__main__":
-    self_check()
-    variant_check()
-    print("ring_attention == grouped_attention; the triton-ring variant drafts the same logits")
