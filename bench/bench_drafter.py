@@ -110,7 +110,7 @@ def random_model(cfg: DrafterConfig, device, dtype, tp: int = 1, stack: bool = T
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
     if stack:
-        model.stack_context_kv()  # as `load_dflash_model` leaves a loaded drafter
+        model.stack()  # as `load_dflash_model` leaves a loaded drafter
     return model
 
 

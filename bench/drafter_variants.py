@@ -8,9 +8,9 @@ SDPA, keys padded to 8, float32 values).
 - eager-commit: `commit_block` as eager `commit_many` (`DFlashDrafter.graph_commits` off);
 - gathered: each layer's context rows gathered out of the ring, then `grouped_attention`
   (`DFlashDrafter.ring_attention` off), the path CPUs take;
-- stacked-mlp: each layer's gate and up projections as one matmul over stacked weights
-  (`stacked.share_rows`, as the target's shared expert) and SiLU-times-up as one launch
-  (`backend.silu_mul`).
+- separate-mlp: each layer's gate and up projections as two matmuls and torch's SiLU and
+  product, where the code in use stacks them (`DFlashModel.stack`: one matmul, one
+  `backend.silu_mul`).
 """
 
 from __future__ import annotations
@@ -18,31 +18,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-import torch.nn.functional as F
-
 from ddserve.drafter import layers
-from ddserve.kernels import backend
-from ddserve.stacked import share_rows, stacked_rows
-
-_MLP_FORWARD = layers.MLP.forward
-
-
-def _stacked_mlp_forward(self, x):
-    w = stacked_rows(self.gate_proj.weight, self.up_proj.weight)
-    if w is None:
-        return _MLP_FORWARD(self, x)
-    return self.comm.all_reduce(self.down_proj(backend.silu_mul(F.linear(x, w))))
+from ddserve.stacked import stacked_rows
 
 
 @contextlib.contextmanager
-def _stacked_mlp(dflash) -> Iterator[None]:
-    for layer in dflash.model.layers:  # the weights stay stacked after: the same values
-        share_rows(layer.mlp.gate_proj, layer.mlp.up_proj)
-    layers.MLP.forward = _stacked_mlp_forward
+def _separate_mlp(dflash) -> Iterator[None]:
+    layers.stacked_rows = lambda *ws: None  # what MLP.forward asks; the model's k/v keep theirs
     try:
         yield
     finally:
-        layers.MLP.forward = _MLP_FORWARD
+        layers.stacked_rows = stacked_rows
 
 
 def _off(attr: str) -> Callable:
@@ -62,7 +48,7 @@ VARIANTS: dict[str, Callable] = {
     "default": lambda dflash: contextlib.nullcontext(),
     "eager-commit": _off("graph_commits"),
     "gathered": _off("ring_attention"),
-    "stacked-mlp": _stacked_mlp,
+    "separate-mlp": _separate_mlp,
 }
 
 

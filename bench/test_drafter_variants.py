@@ -1,6 +1,6 @@
 """bench/drafter_variants.py on the CPU: the switch variants turn their attribute off and
-restore it (alone and joined with '+'), unknown names fail, and the stacked MLP drafts the same
-logits as the code in use."""
+restore it (alone and joined with '+'), unknown names fail, and the separate MLP matmuls draft the
+same logits as the stacked ones."""
 
 from __future__ import annotations
 
@@ -34,20 +34,21 @@ def test_switch_variants_turn_off_and_restore():
         assert d.graph_commits and d.ring_attention
     with pytest.raises(ValueError, match="unknown drafter variant 'nope'"):
         variant("gathered+nope", d)
-    assert set(VARIANTS) == {"default", "eager-commit", "gathered", "stacked-mlp"}
+    assert set(VARIANTS) == {"default", "eager-commit", "gathered", "separate-mlp"}
 
 
-def test_stacked_mlp_variant_drafts_the_same_logits():
-    """Gate and up as one matmul over stacked weights, SiLU-times-up in one call: the same draft
-    logits as the code in use (float32), and the MLP's own forward back after the variant."""
+def test_separate_mlp_variant_drafts_the_same_logits():
+    """The stacked MLP (the code in use after `DFlashModel.stack`) and the separate-mlp
+    variant's two matmuls: the same draft logits (float32), the stacked path back after."""
     from bench_drafter import SMALL, build
 
     cfg, model, hooks, drafter, width = build(SMALL, 24, 2, "cpu", torch.float32)
+    mlp = model.layers[0].mlp
+    assert layers.stacked_rows(mlp.gate_proj.weight, mlp.up_proj.weight) is not None
     rows, bonus = torch.tensor(drafter.state_rows([1, 0])), torch.tensor([4, 7])
     want = drafter.draft_rows(rows, bonus)
-    forward = layers.MLP.forward
-    with variant("stacked-mlp", drafter):
-        assert layers.MLP.forward is not forward
+    with variant("separate-mlp", drafter):
+        assert layers.stacked_rows(mlp.gate_proj.weight, mlp.up_proj.weight) is None
         got = drafter.draft_rows(rows, bonus)
-    assert layers.MLP.forward is forward
+    assert layers.stacked_rows(mlp.gate_proj.weight, mlp.up_proj.weight) is not None
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -19,11 +19,13 @@ from ddserve.kvcache import Staging
 
 
 class RingRows(NamedTuple):
-    """One layer's ring (k or v) [S, C, KVH, Dh] and the rows [B] of the streams reading it:
-    a context handed to the attention ungathered (`kernels.drafter_attn` reads it in place)."""
+    """One layer's ring (k or v) [S, C, KVH, Dh], the rows [B] of the streams reading it and
+    every row's length [S]: a context handed to the attention ungathered (`kernels.drafter_attn`
+    reads it in place)."""
 
     ring: Tensor
     rows: Tensor
+    lengths: Tensor
 
 
 class ContextCache:
@@ -130,7 +132,8 @@ class ContextCache:
         """Context k, v of one layer for the given rows: [B, C, KVH, Dh] each, gathered; or with
         `in_place` the layer's rings and the rows (`RingRows` each), nothing copied."""
         if in_place:
-            return RingRows(self.k[layer], rows), RingRows(self.v[layer], rows)
+            return (RingRows(self.k[layer], rows, self.lengths),
+                    RingRows(self.v[layer], rows, self.lengths))  # fmt: skip
         return self.k[layer].index_select(0, rows), self.v[layer].index_select(0, rows)
 
     def positions(self, rows: Tensor) -> tuple[Tensor, Tensor]:

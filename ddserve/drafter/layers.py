@@ -28,6 +28,7 @@ from ddserve.drafter.cache import RingRows
 from ddserve.drafter.config import SLIDING, DrafterConfig
 from ddserve.drafter.rope import apply_rope
 from ddserve.kernels import backend
+from ddserve.stacked import stacked_rows
 
 Ctx = Tensor | RingRows  # a layer's context keys or values, gathered or in the ring
 
@@ -64,7 +65,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        w = stacked_rows(self.gate_proj.weight, self.up_proj.weight)  # after `DFlashModel.stack`
+        if w is None:
+            return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        # gate and up as one matmul, SiLU-times-up as one launch (the target's kernel on CUDA)
+        return self.comm.all_reduce(self.down_proj(backend.silu_mul(F.linear(x, w))))
 
 
 class DFlashAttention(nn.Module):
@@ -99,7 +104,7 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.kv(x, cos, sin)  # [B, Q, KVH, Dh]
         if isinstance(ctx_k, RingRows):
             out = backend.ring_attention(q, ctx_k.ring, ctx_v.ring, ctx_k.rows, k_blk, v_blk,
-                                         visible)  # fmt: skip
+                                         visible, ctx_k.lengths)  # fmt: skip
             if out is not None:
                 return self.comm.all_reduce(self.o_proj(out))
             ctx_k, ctx_v = (c.ring.index_select(0, c.rows) for c in (ctx_k, ctx_v))

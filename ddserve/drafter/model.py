@@ -124,6 +124,14 @@ class DFlashModel(nn.Module):
         replaced afterwards turns the stacked path off."""
         share_rows(*self._kv_projections())
 
+    def stack(self) -> None:
+        """Every inference-time stacking: `stack_context_kv`, and each layer's MLP gate and up
+        weights as one [2 * I, H] buffer, so the block's MLP runs one matmul and one SiLU-mul
+        launch for them (same rules: values kept, not trainable, a replaced weight unstacks)."""
+        self.stack_context_kv()
+        for layer in self.layers:
+            share_rows(layer.mlp.gate_proj, layer.mlp.up_proj)
+
     def _kv_projections(self) -> list[nn.Linear]:
         attns = [layer.self_attn for layer in self.layers]
         return [m for a in attns for m in (a.k_proj, a.v_proj)]

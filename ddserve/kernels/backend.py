@@ -191,7 +191,9 @@ def draft_topk(
     return kernels.draft_topk(draft_logits, k, floor) if use else None
 
 
-def ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible) -> torch.Tensor | None:
+def ring_attention(
+    q, ring_k, ring_v, rows, k_blk, v_blk, visible, lengths=None
+) -> torch.Tensor | None:
     """The DFlash drafter's block attention over each stream's context read in place in its ring
     (`drafter_attn.ring_attention`, shapes there) where Triton imports; None elsewhere, and the
     caller gathers the rows and runs `drafter.layers.grouped_attention`. The drafter asks for it
@@ -201,7 +203,7 @@ def ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible) -> torch.Tens
     _note("drafter_attn", "triton, ring in place" if kernels else "torch, rows gathered")
     if kernels is None:
         return None
-    return kernels.ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible)
+    return kernels.ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, lengths=lengths)
 
 
 def tree_beam(

@@ -24,7 +24,8 @@ from tests.triton_interp import (
 )
 
 
-def check_against_gathered(b, q_len, nh, kvh, d, c, per_split) -> None:
+def check_against_gathered(b, q_len, nh, kvh, d, c, per_split, lengths=None) -> None:
+    """`lengths`: the streams' committed tokens (their ring entries past it never attended)."""
     from ddserve.kernels.drafter_attn import ring_attention
 
     gen = torch.Generator().manual_seed(b * 100 + c)
@@ -35,14 +36,21 @@ def check_against_gathered(b, q_len, nh, kvh, d, c, per_split) -> None:
     visible = torch.rand(b, q_len, c + q_len, generator=gen) > 0.4
     visible[..., c:] = True  # the block sees itself
     visible[0, 0, :c] = False  # a query with no context at all
+    lens, want_vis = None, visible.clone()
+    if lengths is not None:  # entries past a stream's length: visible here, never attended
+        lens = torch.full((4,), 10**6, dtype=torch.long)
+        lens[rows] = torch.tensor(lengths)
+        written = torch.arange(c)[None, :] < torch.tensor(lengths)[:, None]  # [B, C]
+        want_vis[..., :c] &= written[:, None, :]
+        visible[..., :c] |= ~written[:, None, :]
     want = grouped_attention(
         q,
         torch.cat((ring_k[rows], k_blk), 1).transpose(1, 2),
         torch.cat((ring_v[rows], v_blk), 1).transpose(1, 2),
-        visible,
+        want_vis,
     )
     got = ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, block_n=16,
-                         keys_per_split=per_split)  # fmt: skip
+                         keys_per_split=per_split, lengths=lens)  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -76,6 +84,8 @@ def check_drafter_reads_the_ring_in_place(layer_types) -> None:
 CASES = (
     ("two_streams_gqa2_splits_16", check_against_gathered, (2, 3, 4, 2, 16, 37, 16)),
     ("one_stream_gqa8_one_split", check_against_gathered, (1, 5, 8, 1, 16, 20, 64)),
+    ("short_streams_skip_dead_tiles", check_against_gathered, (2, 3, 4, 2, 16, 37, 16, (10, 60))),
+    ("auto_splits", check_against_gathered, (2, 3, 4, 2, 16, 37, None, (3, 37))),
     ("drafter_sliding", check_drafter_reads_the_ring_in_place,
      (("sliding_attention", "sliding_attention"),)),
     ("drafter_mixed", check_drafter_reads_the_ring_in_place,
@@ -101,12 +111,14 @@ def test_kernels_compile_for_sm90() -> None:
 
     target, opts = GPUTarget("cuda", 90, 64), {"num_warps": 8, "num_stages": 2}
     ptrs = ["q_ptr", "rk_ptr", "rv_ptr", "kb_ptr", "vb_ptr"]
-    sig = {**dict.fromkeys(ptrs, "*bf16"), "rows_ptr": "*i64", "vis_ptr": "*i8",
+    sig = {**dict.fromkeys(ptrs, "*bf16"), "rows_ptr": "*i64", "len_ptr": "*i64", "vis_ptr": "*i8",
            "po_ptr": "*fp32", "pl_ptr": "*fp32"}  # fmt: skip
     strides = ["sq_b", "sq_q", "sq_h", "sr_s", "sr_c", "sr_h", "sb_b", "sb_q", "sb_h", "sv_b",
                "sv_q"]  # fmt: skip
     sig.update(C="i32", KEYS="i32", **dict.fromkeys(strides, "i32"))
-    consts = dict(Q=16, G=8, KVH=1, D=128, NSPLIT=9, CHUNK=256, BLOCK_M=128, BLOCK_N=64)
+    consts = dict(
+        Q=16, G=8, KVH=1, D=128, NSPLIT=9, CHUNK=256, BLOCK_M=128, BLOCK_N=64, LENGTHS=True
+    )
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(m._partial_kernel, sig, constexprs=consts)
     assert "mma" in triton.compile(src, target=target, options=opts).asm["ptx"]
