@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", default="1,5,10")
     ap.add_argument("--rings", default="2048,4096")
-    ap.add_argument("--splits", default="64,128,256,512,auto")
+    ap.add_argument("--splits", default="64,128,256,auto")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--block-n", default="32,64")
     ap.add_argument("--live", type=float, default=1.0,
@@ -102,7 +102,7 @@ def main() -> None:
                              block_n=bn, us=us, max_err=err, close=ok))  # fmt: skip
             print(f"  split={split:>4} warps={warps} bn={bn}: {us:6.1f} us "
                   f"({base / us:.1f}x gathered){'' if ok else ' MISMATCH'}")  # fmt: skip
-    write_json(args.out, dict(env=environment(), args=vars(args), rows=rows))
+        write_json(args.out, dict(env=environment(), args=vars(args), rows=rows))  # so far
 
 
 if __name__ == "__main__":
