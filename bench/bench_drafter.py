@@ -227,7 +227,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--layers", type=int, default=None, help="drafter layers (K2.5: 6; small: 2)")
     ap.add_argument("--no-stack", action="store_true",
-                    help="context k/v layer by layer (no `stack_context_kv`), for A/B")  # fmt: skip
+                    help="no `DFlashModel.stack`: context k/v layer by layer, each MLP's gate "
+                         "and up separate, for A/B")  # fmt: skip
     ap.add_argument("--tp", type=int, default=1,
                     help="time one rank's shard at this tensor-parallel size, collectives "
                          "left out (their count and bytes are reported); 1: the whole "
@@ -315,7 +316,7 @@ def main() -> None:
     if args.profile:
         profile(drafter, min(batches), args.commit, width, device, dtype)
     report = dict(benchmark="bench_drafter", shape=s, context=context, commit=args.commit,
-                  stacked_kv=not args.no_stack, tp=args.tp, batch_invariant=args.batch_invariant,
+                  stacked=not args.no_stack, tp=args.tp, batch_invariant=args.batch_invariant,
                   device=torch.cuda.get_device_name() if device == "cuda" else device,
                   torch=torch.__version__, weights_bytes=weights, lm_head_slice_bytes=head,
                   copy_bandwidth_bytes_per_s=bw, rows=rows)  # fmt: skip

@@ -26,14 +26,13 @@ from ddserve.drafter.layers import grouped_attention  # noqa: E402
 from ddserve.kernels.drafter_attn import ring_attention  # noqa: E402
 
 
-def inputs(b: int, ring: int, live: float = 1.0, q_len=16, nh=8, kvh=1, d=128, streams=12,
-           seed=0):  # fmt: skip
+def inputs(b: int, ring: int, live: float = 1.0, q_len=16, nh=8, kvh=1, d=128, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    bf = torch.bfloat16
+    bf, streams = torch.bfloat16, max(12, b)  # the ring's rows: more than the batch reads
     q = torch.randn(b, q_len, nh, d, generator=g, device="cuda").to(bf)
     ring_k, ring_v = (torch.randn(streams, ring, kvh, d, generator=g, device="cuda").to(bf)
                       for _ in "kv")  # fmt: skip
-    rows = torch.randperm(streams, device="cuda")[:b]
+    rows = torch.randperm(streams, generator=g, device="cuda")[:b]
     k_blk, v_blk = (torch.randn(b, q_len, kvh, d, generator=g, device="cuda").to(bf) for _ in "kv")
     visible = torch.rand(b, q_len, ring + q_len, generator=g, device="cuda") > 0.1
     visible[..., ring:] = True
@@ -41,7 +40,7 @@ def inputs(b: int, ring: int, live: float = 1.0, q_len=16, nh=8, kvh=1, d=128, s
     return q, ring_k, ring_v, rows, k_blk, v_blk, visible
 
 
-def lengths(ring: int, live: float, streams=12) -> torch.Tensor:
+def lengths(ring: int, live: float, streams: int) -> torch.Tensor:
     """Every ring row's committed tokens: `live` of the ring written (1: a full ring)."""
     return torch.full((streams,), max(1, int(ring * live)), dtype=torch.long, device="cuda")
 
@@ -87,7 +86,7 @@ def main() -> None:
                                                   map(int, args.block_n.split(","))):  # fmt: skip
             kps = None if split == "auto" else int(split)
             kw = dict(keys_per_split=kps, num_warps=warps, block_n=bn,
-                      lengths=lengths(ring, args.live))  # fmt: skip
+                      lengths=lengths(ring, args.live, x[1].shape[0]))  # fmt: skip
             try:
                 got = ring_attention(*x, **kw)
                 err = (got.float() - want.float()).abs().max().item()

@@ -1,8 +1,8 @@
 """Variants of the DFlash drafter's step work for A/B runs (`profile_drafter_step.py --variants`):
 each is a context manager that changes one piece of the drafter's code for the duration and
-restores it; `a+b` runs both. The package keeps what production runs; candidates and the
-alternatives a GPU run rejected live here (git history keeps the rejected attention variants:
-SDPA, keys padded to 8, float32 values).
+restores it; `a+b` runs both. Each turns a piece of the code in use back to the alternative it
+replaced, so a run shows what each is worth (git history keeps the attention variants a GPU
+run rejected: SDPA, keys padded to 8, float32 values).
 
 - default: the code in use (on CUDA: graphed block commits, attention reading the ring in place);
 - eager-commit: `commit_block` as eager `commit_many` (`DFlashDrafter.graph_commits` off);

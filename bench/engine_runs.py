@@ -95,6 +95,9 @@ class CostedOracle(DeviceOracle):
             self.commit(sid, toks, None)
         self.dflash.commit_block(sids, token_ids, hidden)
 
+    def close(self) -> None:
+        self.dflash.close()
+
     def state_rows(self, sids: list) -> list[int]:
         """The drafter's rows; the streams' guesses go to the device now, one copy."""
         rows = self.dflash.state_rows(sids)

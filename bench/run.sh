@@ -20,8 +20,8 @@
 #               tests, then the forward profile under each kernel launch variant (extra args:
 #               pytest -k); the engine bench is `engine` mode
 #   drafter     a K2.5-DFlash-sized drafter as one rank's tp = 8 shard: its draft, commit and block
-#               commit (bench_drafter.py); its ring attention's launch sweep (bench_drafter_attn.py);
-#               the engine's DDTree step paying its work, by variant
+#               commit (bench_drafter.py); its ring attention's launch sweep
+#               (bench_drafter_attn.py); the engine's DDTree step paying its work, by variant
 #               (profile_drafter_step.py: default, eager-commit, gathered, separate-mlp, all 3)
 #               and against AR (bench_engine.py --drafter dflash); then the drafter's GPU tests
 #               and DDTree == AR with DFlash drafters (gpu_engine_check.py)
@@ -119,8 +119,8 @@ case "$MODE" in
     step drafter_attn_half 100 python3 bench/bench_drafter_attn.py --live 0.5 --splits 256,auto \
       --out "$OUT/drafter_attn_half.json"
     step profile_drafter 400 python3 bench/profile_drafter_step.py --batches 1,10 --budgets 16 \
-      --steps 8 --variants default,eager-commit,gathered,separate-mlp,eager-commit+gathered+separate-mlp \
-      --out "$OUT/profile_drafter.json"
+      --steps 8 --out "$OUT/profile_drafter.json" \
+      --variants default,eager-commit,gathered,separate-mlp,eager-commit+gathered+separate-mlp
     step engine_dflash 300 python3 bench/bench_engine.py --cuda-graphs --batches 1,5,10 \
       --budgets 16 --corrupt 0.19 --steps 12 --drafter dflash --out "$OUT/engine_dflash.json"
     step pytest_drafter 200 python3 -m pytest -q -p no:cacheprovider -rf tests/core/test_dflash.py \

@@ -56,7 +56,7 @@ def test_stacked_context_kv_issues_fewer_ops_per_commit(tmp_path):
     than layer by layer (`--no-stack`)."""
     stacked = run(tmp_path, "--layers", "4")
     per_layer = run(tmp_path, "--layers", "4", "--no-stack")
-    assert stacked["stacked_kv"] and not per_layer["stacked_kv"]
+    assert stacked["stacked"] and not per_layer["stacked"]
     for a, b in zip(stacked["rows"], per_layer["rows"], strict=True):
         assert 0 < a["commit_ops"] < b["commit_ops"] - 20, (a["commit_ops"], b["commit_ops"])
 

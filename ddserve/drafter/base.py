@@ -48,6 +48,11 @@ class Drafter(ABC):
     @abstractmethod
     def remove_stream(self, sid: Hashable) -> None: ...
 
+    def close(self) -> None:
+        """Free what must go before the engine's communicator does (DFlash: its commit graphs,
+        which captured all-reduces); the default holds nothing such."""
+        return None
+
     def state_rows(self, sids: list) -> list[int] | None:
         """Indices of the streams' drafting state (host ints) when `draft_rows` computes `draft`
         from them as pure tensor code (the engine then captures the draft in its verify-step

@@ -128,7 +128,9 @@ class ContextCache:
         """Pool rows of `sids`, in order: [B] long on the cache's device."""
         return torch.tensor(self.row_ids(sids), dtype=torch.long, device=self.k.device)
 
-    def layer(self, layer: int, rows: Tensor, in_place: bool = False) -> tuple:
+    def layer(
+        self, layer: int, rows: Tensor, in_place: bool = False
+    ) -> tuple[Tensor, Tensor] | tuple[RingRows, RingRows]:
         """Context k, v of one layer for the given rows: [B, C, KVH, Dh] each, gathered; or with
         `in_place` the layer's rings and the rows (`RingRows` each), nothing copied."""
         if in_place:

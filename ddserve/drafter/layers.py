@@ -65,10 +65,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = stacked_rows(self.gate_proj.weight, self.up_proj.weight)  # after `DFlashModel.stack`
+        gate, up = self.gate_proj.weight, self.up_proj.weight
+        trains = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+        w = None if trains else stacked_rows(gate, up)  # after `DFlashModel.stack`
         if w is None:
             return self.comm.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        # gate and up as one matmul, SiLU-times-up as one launch (the target's kernel on CUDA)
+        # gate and up as one matmul; SiLU-times-up by the target's op (`backend.silu_mul`)
         return self.comm.all_reduce(self.down_proj(backend.silu_mul(F.linear(x, w))))
 
 
@@ -123,10 +125,12 @@ class DFlashAttention(nn.Module):
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
     """Softmax attention of q [B, Q, NH, Dh] over k, v [B, KVH, K, Dh] where visible [B, Q, K],
     query head h reading KV head h // (NH / KVH), scale Dh^-0.5 -> [B, Q, NH * Dh]. A KV head's
-    query heads go through one matmul as G * Q rows; scores and softmax in float32. Explicit
-    matmuls rather than SDPA at inference: with a mask cuDNN's kernel took ~100 us per call at
-    the K2.5 drafter's tp = 8 block shapes (16 queries x 8 heads over ~1.3k keys), these few
-    launches ~12 us. Training keeps SDPA (its fused kernels store no score matrix)."""
+    query heads go through one matmul as G * Q rows; scores and softmax in float32. The
+    inference path over gathered rows (the CPU's; on CUDA the ring is read in place by
+    `backend.ring_attention` unless its kernel cannot take the shapes): explicit matmuls rather
+    than SDPA, whose masked cuDNN kernel took ~100 us per call at the K2.5 drafter's tp = 8
+    block shapes on an H200, these few launches ~12 us. Training keeps SDPA (its fused kernels
+    store no score matrix)."""
     b, q_len, nh, d = q.shape
     kvh = k.shape[1]
     g = nh // kvh

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ddserve.distributed import Communicator, LocalComm
 from ddserve.drafter.base import Drafter
-from ddserve.drafter.cache import ContextCache
+from ddserve.drafter.cache import ContextCache, RingRows
 from ddserve.drafter.config import DrafterConfig
 from ddserve.drafter.layers import SHARD_DIM, DFlashDecoderLayer, RMSNorm
 from ddserve.drafter.rope import Rotary, apply_rope
@@ -42,7 +42,8 @@ from ddserve.kvcache import Staging
 from ddserve.stacked import share_rows, stacked_rows
 
 log = logging.getLogger(__name__)
-KVFn = Callable[[int], tuple]  # layer -> context k, v ([B, C, KVH, Dh] each, or `RingRows`)
+# layer -> its context k, v: [B, C, KVH, Dh] each, or the rings in place (`RingRows` each)
+KVFn = Callable[[int], tuple[Tensor, Tensor] | tuple[RingRows, RingRows]]
 
 
 class TargetHooks(Protocol):
@@ -126,8 +127,10 @@ class DFlashModel(nn.Module):
 
     def stack(self) -> None:
         """Every inference-time stacking: `stack_context_kv`, and each layer's MLP gate and up
-        weights as one [2 * I, H] buffer, so the block's MLP runs one matmul and one SiLU-mul
-        launch for them (same rules: values kept, not trainable, a replaced weight unstacks)."""
+        weights as views of one [2 * I, H] buffer, so the block's MLP runs one matmul for them
+        and `backend.silu_mul` (one launch in the engine's batch-invariant mode on CUDA). Values
+        kept; a weight replaced afterwards unstacks its layer; where gradients are wanted the
+        layers compute separately (the stacked tensor is a view of the gate weight alone)."""
         self.stack_context_kv()
         for layer in self.layers:
             share_rows(layer.mlp.gate_proj, layer.mlp.up_proj)
@@ -238,6 +241,13 @@ class DFlashDrafter(Drafter):
 
     def remove_stream(self, sid: Hashable) -> None:
         self.cache.remove(sid)
+
+    def close(self) -> None:
+        """Free the commit graphs (a sharded drafter's captured its all-reduces; NCCL waits for
+        such graphs when its communicator is destroyed). Later commits capture them again."""
+        if self._graphs:
+            torch.cuda.synchronize(self.cache.k.device)  # no replay in flight
+        self._graphs.clear()
 
     def commit(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None) -> None:
         """Append committed tokens' captured hidden states [T, len(capture_layers)*H]."""
@@ -368,7 +378,7 @@ class DFlashDrafter(Drafter):
         ctx_pos, ctx_live = self.cache.positions(rows)  # [B, C]
         in_place = self.ring_attention
 
-        def context(i: int) -> tuple:
+        def context(i: int) -> tuple[Tensor, Tensor] | tuple[RingRows, RingRows]:
             return self.cache.layer(i, rows, in_place)
 
         h = self.model.block(x, positions, ctx_pos, ctx_live, context)

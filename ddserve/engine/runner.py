@@ -106,6 +106,8 @@ class ModelRunner:
         self.drafter = self._make_drafter(drafter)
         if hasattr(self.drafter, "kernels"):  # DFlash: its norms in this engine's kernels
             self.drafter.kernels = self.kernels
+        if hasattr(self.drafter, "graph_commits") and not self.cfg.cuda_graphs:
+            self.drafter.graph_commits = False  # an eager engine: no graph of the drafter's
         self.streams: dict[Hashable, Stream] = {}
         self._reserved = 0
         self._admitted = 0
@@ -136,10 +138,14 @@ class ModelRunner:
         return GraphedForward(run_model, self.cfg.graph_buckets, scratch, self.device)
 
     def close(self) -> None:
-        """Free CUDA graphs (before the communicator they captured collectives of)."""
+        """Free CUDA graphs, the drafter's too (before the communicator they captured
+        collectives of)."""
         if self._graphs is not None:
             self._graphs.close()
             self._graphs = None
+        close = getattr(self.drafter, "close", None)  # duck-typed drafters may have none
+        if close is not None:
+            close()
 
     def _make_drafter(self, drafter: Drafter | str | Path | None) -> Drafter | None:
         if drafter is None or isinstance(drafter, Drafter) or hasattr(drafter, "draft"):

@@ -192,16 +192,22 @@ def draft_topk(
 
 
 def ring_attention(
-    q, ring_k, ring_v, rows, k_blk, v_blk, visible, lengths=None
-) -> torch.Tensor | None:
+    q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, rows: torch.Tensor,
+    k_blk: torch.Tensor, v_blk: torch.Tensor, visible: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # fmt: skip
     """The DFlash drafter's block attention over each stream's context read in place in its ring
-    (`drafter_attn.ring_attention`, shapes there) where Triton imports; None elsewhere, and the
-    caller gathers the rows and runs `drafter.layers.grouped_attention`. The drafter asks for it
-    where it lives on CUDA (`DFlashDrafter.ring_attention`). Not tied to batch-invariant mode:
-    the draft only shapes which tokens are verified."""
+    (`drafter_attn.ring_attention`, shapes there) where Triton imports and the kernel takes the
+    shapes (`drafter_attn.supports`); None otherwise, and the caller gathers the rows and runs
+    `drafter.layers.grouped_attention`. The caller picks the device: the drafter asks for it
+    where it lives on CUDA (`DFlashDrafter.ring_attention`; CPU tensors run only under Triton's
+    interpreter). Not tied to batch-invariant mode: the draft only shapes which tokens are
+    verified."""
     kernels = _triton_module("drafter_attn")
-    _note("drafter_attn", "triton, ring in place" if kernels else "torch, rows gathered")
-    if kernels is None:
+    use = kernels is not None and kernels.supports(q, ring_k)
+    _note("drafter_attn", "triton, ring in place" if use else
+          f"torch, rows gathered (head size {q.shape[-1]})")  # fmt: skip
+    if not use:
         return None
     return kernels.ring_attention(q, ring_k, ring_v, rows, k_blk, v_blk, visible, lengths=lengths)
 

@@ -40,7 +40,7 @@ def _partial_kernel(
     sq_b, sq_q, sq_h, sr_s, sr_c, sr_h, sb_b, sb_q, sb_h, sv_b, sv_q,
     Q: tl.constexpr, G: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
     NSPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LENGTHS: tl.constexpr,
+    LENGTHS: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid, split = tl.program_id(0), tl.program_id(1)
     b, h = pid // KVH, pid % KVH
@@ -74,14 +74,14 @@ def _partial_kernel(
                          tl.load(vb_ptr + blk_off, mask=in_blk[:, None], other=0.0))  # fmt: skip
             vis = tl.load(vis_ptr + b * sv_b + qi[:, None] * sv_q + n[None, :],
                           mask=row_ok[:, None] & (in_ctx | in_blk)[None, :], other=0)  # fmt: skip
-            s = tl.dot(qv, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(qv, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
             s = tl.where(vis != 0, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
             p = tl.exp(s - m_use[:, None])
             alpha = tl.exp(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kind), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kind), v, input_precision=PREC)
             m_i = m_new
     lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
     out = (pid * NSPLIT + split) * BLOCK_M + m
@@ -111,7 +111,16 @@ def _merge_kernel(
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter on a CPU: an H100's / H200's count, so splits look alike
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def supports(q: torch.Tensor, ring_k: torch.Tensor) -> bool:
+    """Whether the kernels take these shapes: a head size that is a power of two of at least
+    16 (`tl.arange`, `tl.dot`) and query heads in whole groups per KV head."""
+    d, nh, kvh = q.shape[-1], q.shape[2], ring_k.shape[2]
+    return d >= 16 and d & (d - 1) == 0 and nh % kvh == 0
 
 
 def ring_attention(
@@ -122,18 +131,21 @@ def ring_attention(
     entry written): ring entries at or past a row's length (a stream shorter than the ring) are
     never attended, whatever `visible` says, and key tiles of such entries only are skipped, so
     the work follows each stream's live context, not the ring's size. `keys_per_split` None:
-    about one partial program per SM (at least `block_n` keys per split). The defaults (auto
-    splits, 8 warps, 64-key tiles) were the fastest or within 1.2 us of it at 1, 5 and 10 streams
-    over rings of 2,048 and 4,096 in `bench/bench_drafter_attn.py`'s sweep on an H100: 10.7 /
-    14.8 / 20.5 us at 2,048 where 256 keys per split with 4 warps took 25.6 / 27.2 / 29.5."""
+    about one partial program per SM (at least `block_n` keys per split; split count and size
+    are compile-time constants, so each batch size compiles its kernel once, at capture in a
+    CUDA-graph engine). The defaults (auto splits, 8 warps, 64-key tiles) were the fastest or
+    within 1.2 us of it at 1, 5 and 10 streams over rings of 2,048 and 4,096 in
+    `bench/bench_drafter_attn.py`'s sweep on an H100: 10.7 / 14.8 / 20.5 us at 2,048 where 256
+    keys per split with 4 warps took 25.6 / 27.2 / 29.5. Float32 rings multiply in full fp32
+    (no TF32)."""
     b, q_len, nh, d = q.shape
     c, kvh = ring_k.shape[1], ring_k.shape[2]
     g = nh // kvh
     keys = c + q_len
     if keys_per_split is None:
-        sms = _sm_count(q.device) if q.is_cuda else 132
-        keys_per_split = -(-keys * b * kvh // sms)
-    chunk = max(block_n, -(-keys_per_split // block_n) * block_n)
+        keys_per_split = -(-keys * b * kvh // _sm_count(q.device))
+    tiles = -(-keys // block_n)  # the C + Q keys in tiles: no split runs past the last one
+    chunk = block_n * min(tiles, max(1, -(-keys_per_split // block_n)))
     nsplit = -(-keys // chunk)
     block_m = max(16, triton.next_power_of_2(g * q_len))
     for t in (ring_k, ring_v, k_blk, v_blk):
@@ -153,6 +165,7 @@ def ring_attention(
         vis.stride(0), vis.stride(1),
         Q=q_len, G=g, KVH=kvh, D=d, NSPLIT=nsplit, CHUNK=chunk, BLOCK_M=block_m,
         BLOCK_N=block_n, LENGTHS=lengths is not None, num_warps=num_warps,
+        PREC="ieee" if ring_k.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
     )  # fmt: skip
     out = torch.empty(b, q_len, nh * d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b * kvh, g * q_len)](

@@ -20,6 +20,7 @@ from ddserve.drafter import DFlashDrafter, DFlashModel, DrafterConfig, DrafterMi
 from ddserve.drafter.loader import load_drafter
 from ddserve.drafter.rope import rope_inv_freq
 from ddserve.drafter.tiny import random_weights, write_tiny_drafter
+from ddserve.stacked import stacked_rows
 
 H, V, TARGET_LAYERS, MASK = 64, 300, 5, 290
 
@@ -375,6 +376,8 @@ def test_tiny_drafter_round_trips_through_the_loader(tmp_path):
     assert drafter.cache.capacity == 64
     assert all(0 <= i < tcfg.num_hidden_layers for i in drafter.capture_layers)
     assert drafter.model._stacked_kv() is not None  # the loader stacks the k/v projections
+    mlps = [layer.mlp for layer in drafter.model.layers]  # and each MLP's gate and up
+    assert all(stacked_rows(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
 
 
 @pytest.mark.parametrize(
@@ -428,11 +431,32 @@ def test_published_config_layout_parses():
     assert cfg.target_layer_ids == (1, 33)  # round(1 + i*(36-4)/(2-1))
 
 
+def test_stacked_mlp_is_the_two_projections_and_trains_both():
+    """`DFlashModel.stack`'s MLP (one matmul over gate and up, `backend.silu_mul`) gives the
+    separate projections' output; where gradients are wanted both weights get theirs (the
+    stacked tensor views the gate weight alone, so training computes them separately)."""
+    model, _ = make_model(drafter_raw(), seed=6)
+    mlp = model.layers[0].mlp
+    x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(1))
+    want = mlp(x)
+    model.stack()
+    assert stacked_rows(mlp.gate_proj.weight, mlp.up_proj.weight) is not None
+    torch.testing.assert_close(mlp(x), want, atol=1e-6, rtol=1e-6)
+    model.requires_grad_(True)
+    mlp(x).square().sum().backward()
+    assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad is not None
+    assert mlp.up_proj.weight.grad.abs().sum() > 0
+
+
 def test_ring_context_without_triton_gathers_the_rows(monkeypatch):
     """A drafter asked to read its ring in place where the kernel does not import gathers the
     rows itself: the same draft logits as the gathered path."""
     from ddserve.kernels import backend
 
+    asked = []
+    ring_attention = backend.ring_attention
+    monkeypatch.setattr(backend, "ring_attention",
+                        lambda *a, **k: asked.append(1) or ring_attention(*a, **k))  # fmt: skip
     monkeypatch.setattr(backend, "_triton_module", lambda name: None)
     model, _ = make_model(drafter_raw(), seed=2)
     drafter = DFlashDrafter(model, FakeTarget(), max_streams=2)
@@ -442,5 +466,7 @@ def test_ring_context_without_triton_gathers_the_rows(monkeypatch):
         drafter.add_stream(sid, [1] * n, torch.randn(n, width, generator=g))
     rows, bonus = torch.tensor(drafter.state_rows(["a", "b"])), torch.tensor([4, 8])
     want = drafter.draft_rows(rows, bonus)
+    assert not asked
     drafter.ring_attention = True
     assert torch.equal(drafter.draft_rows(rows, bonus), want)
+    assert len(asked) == len(model.layers)  # asked for the ring kernel, got None, gathered

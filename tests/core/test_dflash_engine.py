@@ -67,3 +67,14 @@ def test_tensor_parallel_replicas_agree(dflash_setup):
         assert llm.runner.drafter.model.comm.world_size == 2  # sharded, not replicated
         ar = [o.token_ids for o in llm.generate(prompts, params, speculative=False)]
         assert [o.token_ids for o in llm.generate(prompts, params)] == ar
+
+
+def test_runner_close_closes_its_drafter(dflash_setup):
+    """`ModelRunner.close` frees the drafter's graphs too (`Drafter.close`: DFlash's commit
+    graphs captured all-reduces, which must go before the communicator)."""
+    model_dir, drafter_dir, _ = dflash_setup
+    runner = make_runner(model_dir, 4, drafter=drafter_dir)
+    closed, close = [], runner.drafter.close
+    runner.drafter.close = lambda: closed.append(1) or close()
+    runner.close()
+    assert closed == [1]

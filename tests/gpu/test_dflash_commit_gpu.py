@@ -42,7 +42,7 @@ def drafter_pair():
     model = model.to("cuda", torch.bfloat16)
     model.stack_context_kv()
     pair = [DFlashDrafter(model, Hooks(), max_streams=4, max_context=512) for _ in range(2)]
-    pair[0].graph_commits = True  # the graphed commit, off by default until timed
+    pair[1].graph_commits = False  # the reference: eager `commit_many`
     return pair
 
 
@@ -96,3 +96,26 @@ def test_a_shape_whose_capture_fails_commits_eagerly(monkeypatch):
     assert graphed.cache.length("a") == eager.cache.length("a") == 16
     assert torch.equal(graphed.cache.lengths, eager.cache.lengths)
     torch.testing.assert_close(graphed.cache.k, eager.cache.k, atol=2e-2, rtol=2e-2)
+
+
+def test_close_frees_the_commit_graphs_and_later_commits_capture_again():
+    """`close` (the runner's, before its communicator goes) drops the graphs; a commit after it
+    captures its shape again and the ring still equals the eager one."""
+    graphed, eager = drafter_pair()
+    k = len(eager.capture_layers)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    with backend.invariant_mode(True):
+        prompt = torch.randn(5, k * H, generator=g, device="cuda").bfloat16()
+        for d in (graphed, eager):
+            d.add_stream("a", [0] * 5, prompt)
+        for step in range(4):
+            hidden = torch.randn(1, 4, k * H, generator=g, device="cuda").bfloat16()
+            graphed.commit_block(["a"], [[0] * 3], hidden)
+            eager.commit_many([("a", [0] * 3, hidden[0, :3])])
+            assert len(graphed._graphs) == 1
+            if step == 1:
+                graphed.close()
+                assert graphed._graphs == {}
+    assert graphed.cache.length("a") == eager.cache.length("a") == 17
+    torch.testing.assert_close(graphed.cache.k, eager.cache.k, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(graphed.cache.v, eager.cache.v, atol=2e-2, rtol=2e-2)

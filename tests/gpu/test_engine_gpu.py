@@ -187,7 +187,11 @@ def test_the_captured_verify_step_equals_the_eager_one(model_dir, drafter_kind, 
         outs[graphs] = run_all(runner, prompts, params, speculative=True)
         assert runner.free_slots == start
         assert bool(graphs) == bool(runner._graphs and runner._graphs._verify)
+        if drafter_kind == "dflash":  # its commits graphed only where the engine's are
+            assert runner.drafter.graph_commits == graphs == bool(runner.drafter._graphs)
         runner.close()
+        if drafter_kind == "dflash":
+            assert not runner.drafter._graphs
     if temperature == 0.0:
         assert outs[True] == ar and outs[False] == ar
     else:

@@ -1,11 +1,10 @@
 """`kernels/drafter_attn.ring_attention` (the DFlash drafter's block attention reading each
 stream's context in its ring) in the Triton interpreter on the CPU: against `grouped_attention`
 over the gathered rows (ragged masks, ring rows out of order, a query without any context, splits
-that end inside the block's keys), and a drafter's draft logits with the ring read in place equal
-to the gathered path's, with sliding layers over a ring that wrapped and with a full-attention
-layer. Both
-kernels also compile for sm_90 at the K2.5 drafter's tp = 8 shapes;
-tests/gpu/test_drafter_attn_gpu.py checks bf16 on a GPU."""
+that end inside the block's keys, streams shorter than the ring), and a drafter's draft logits
+with the ring read in place equal to the gathered path's, with sliding layers over a ring that
+wrapped and with a full-attention layer. Both kernels also compile for sm_90 at the K2.5
+drafter's tp = 8 shapes; tests/gpu/test_drafter_attn_gpu.py checks bf16 on a GPU."""
 
 from __future__ import annotations
 
@@ -85,6 +84,7 @@ CASES = (
     ("two_streams_gqa2_splits_16", check_against_gathered, (2, 3, 4, 2, 16, 37, 16)),
     ("one_stream_gqa8_one_split", check_against_gathered, (1, 5, 8, 1, 16, 20, 64)),
     ("short_streams_skip_dead_tiles", check_against_gathered, (2, 3, 4, 2, 16, 37, 16, (10, 60))),
+    ("a_length_one_past_a_tile", check_against_gathered, (2, 3, 4, 2, 16, 37, 16, (17, 1))),
     ("auto_splits", check_against_gathered, (2, 3, 4, 2, 16, 37, None, (3, 37))),
     ("drafter_sliding", check_drafter_reads_the_ring_in_place,
      (("sliding_attention", "sliding_attention"),)),
@@ -116,9 +116,8 @@ def test_kernels_compile_for_sm90() -> None:
     strides = ["sq_b", "sq_q", "sq_h", "sr_s", "sr_c", "sr_h", "sb_b", "sb_q", "sb_h", "sv_b",
                "sv_q"]  # fmt: skip
     sig.update(C="i32", KEYS="i32", **dict.fromkeys(strides, "i32"))
-    consts = dict(
-        Q=16, G=8, KVH=1, D=128, NSPLIT=9, CHUNK=256, BLOCK_M=128, BLOCK_N=64, LENGTHS=True
-    )
+    consts = dict(Q=16, G=8, KVH=1, D=128, NSPLIT=9, CHUNK=256, BLOCK_M=128, BLOCK_N=64,
+                  LENGTHS=True, PREC="tf32")  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(m._partial_kernel, sig, constexprs=consts)
     assert "mma" in triton.compile(src, target=target, options=opts).asm["ptx"]
@@ -127,6 +126,21 @@ def test_kernels_compile_for_sm90() -> None:
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = ASTSource(m._merge_kernel, sig, constexprs=consts)
     assert triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+
+
+def test_shapes_the_kernel_does_not_take_are_gathered():
+    """A head size that is not a power of two of at least 16 (or query heads not in whole
+    groups) gets None from the backend, and the drafter gathers its rows instead."""
+    require_triton()
+    from ddserve.kernels import backend, drafter_attn
+
+    for d, nh, kvh, ok in ((16, 4, 2, True), (128, 8, 1, True), (24, 4, 2, False),
+                           (8, 4, 2, False), (16, 6, 4, False)):  # fmt: skip
+        q, ring = torch.zeros(1, 2, nh, d), torch.zeros(3, 5, kvh, d)
+        assert drafter_attn.supports(q, ring) is ok
+    q, ring, blk = torch.zeros(1, 2, 4, 24), torch.zeros(3, 5, 2, 24), torch.zeros(1, 2, 2, 24)
+    vis = torch.ones(1, 2, 7, dtype=torch.bool)
+    assert backend.ring_attention(q, ring, ring, torch.tensor([1]), blk, blk, vis) is None
 
 
 if __name__ == "__main__":  # the interpreter subprocess
