@@ -115,9 +115,12 @@ case "$MODE" in
   drafter)
     step drafter_tp8 200 python3 bench/bench_drafter.py --batches 1,5,10 --tp 8 --profile \
       --out "$OUT/drafter_tp8.json" "$@"
-    step drafter_attn 150 python3 bench/bench_drafter_attn.py --out "$OUT/drafter_attn.json"
+    # the default launch (auto splits, 8 warps, 64-key tiles) against the one it replaced; the
+    # whole sweep (the script's defaults) takes ~4 min
+    step drafter_attn 150 python3 bench/bench_drafter_attn.py --splits 256,auto --warps 4,8 \
+      --block-n 64 --out "$OUT/drafter_attn.json"
     step drafter_attn_half 100 python3 bench/bench_drafter_attn.py --live 0.5 --splits 256,auto \
-      --out "$OUT/drafter_attn_half.json"
+      --warps 8 --block-n 64 --out "$OUT/drafter_attn_half.json"
     step profile_drafter 400 python3 bench/profile_drafter_step.py --batches 1,10 --budgets 16 \
       --steps 8 --out "$OUT/profile_drafter.json" \
       --variants default,eager-commit,gathered,separate-mlp,eager-commit+gathered+separate-mlp
