@@ -1,8 +1,9 @@
 """Variants of the DFlash drafter's step work for A/B runs (`profile_drafter_step.py --variants`):
 each is a context manager that changes one piece of the drafter's code for the duration and
-restores it; `a+b` runs both. Each turns a piece of the code in use back to the alternative it
-replaced, so a run shows what each is worth (git history keeps the attention variants a GPU
-run rejected: SDPA, keys padded to 8, float32 values).
+restores it; `a+b` runs both. Most turn a piece of the code in use back to the alternative it
+replaced, so a run shows what each is worth; "invariant-linear" is a candidate not yet timed
+(git history keeps the attention variants a GPU run rejected: SDPA, keys padded to 8, float32
+values).
 
 - default: the code in use (on CUDA: graphed block commits, attention reading the ring in place);
 - eager-commit: `commit_block` as eager `commit_many` (`DFlashDrafter.graph_commits` off);
@@ -11,14 +12,24 @@ run rejected: SDPA, keys padded to 8, float32 values).
 - separate-mlp: each layer's gate and up projections as two matmuls and torch's SiLU and
   product, where the code in use stacks them (`DFlashModel.stack`: one matmul, one
   `backend.silu_mul`).
+- invariant-linear (a candidate): every drafter projection through `backend.linear`, the
+  target's matmul (in the engine's batch-invariant mode on CUDA the Triton kernel tuned for a
+  few rows, with PDL), where the code in use calls cuBLAS (`F.linear`: split-K kernels and
+  their separate reduction launches at a block's 16-160 rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 
+import torch.nn.functional as F
+from torch import nn
+
 from ddserve.drafter import layers
+from ddserve.drafter import model as dflash_model
+from ddserve.kernels import backend
 from ddserve.stacked import stacked_rows
 
 
@@ -29,6 +40,24 @@ def _separate_mlp(dflash) -> Iterator[None]:
         yield
     finally:
         layers.stacked_rows = stacked_rows
+
+
+@contextlib.contextmanager
+def _invariant_linear(dflash) -> Iterator[None]:
+    """The drafter's nn.Linear modules and the functional matmuls of `layers` and `model` (the
+    stacked MLP, the stacked context k/v) through `backend.linear`."""
+    shim = types.SimpleNamespace(**{n: getattr(F, n) for n in dir(F) if not n.startswith("_")})
+    shim.linear = lambda x, w: backend.linear(x, w)
+    linears = [m for m in dflash.model.modules() if isinstance(m, nn.Linear)]
+    for m in linears:
+        m.forward = lambda x, m=m: backend.linear(x, m.weight)
+    layers.F = dflash_model.F = shim
+    try:
+        yield
+    finally:
+        layers.F = dflash_model.F = F
+        for m in linears:
+            del m.forward  # the class's forward again
 
 
 def _off(attr: str) -> Callable:
@@ -49,6 +78,7 @@ VARIANTS: dict[str, Callable] = {
     "eager-commit": _off("graph_commits"),
     "gathered": _off("ring_attention"),
     "separate-mlp": _separate_mlp,
+    "invariant-linear": _invariant_linear,
 }
 
 
