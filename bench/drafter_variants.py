@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch.nn.functional as F
 from torch import nn
@@ -30,16 +31,6 @@ from torch import nn
 from ddserve.drafter import layers
 from ddserve.drafter import model as dflash_model
 from ddserve.kernels import backend
-from ddserve.stacked import stacked_rows
-
-
-@contextlib.contextmanager
-def _separate_mlp(dflash) -> Iterator[None]:
-    layers.stacked_rows = lambda *ws: None  # what MLP.forward asks; the model's k/v keep theirs
-    try:
-        yield
-    finally:
-        layers.stacked_rows = stacked_rows
 
 
 @contextlib.contextmanager
@@ -60,24 +51,12 @@ def _invariant_linear(dflash) -> Iterator[None]:
             del m.forward  # the class's forward again
 
 
-def _off(attr: str) -> Callable:
-    @contextlib.contextmanager
-    def off(dflash) -> Iterator[None]:
-        before = getattr(dflash, attr)
-        setattr(dflash, attr, False)
-        try:
-            yield
-        finally:
-            setattr(dflash, attr, before)
-
-    return off
-
-
 VARIANTS: dict[str, Callable] = {
     "default": lambda dflash: contextlib.nullcontext(),
-    "eager-commit": _off("graph_commits"),
-    "gathered": _off("ring_attention"),
-    "separate-mlp": _separate_mlp,
+    "eager-commit": lambda dflash: mock.patch.object(dflash, "graph_commits", False),
+    "gathered": lambda dflash: mock.patch.object(dflash, "ring_attention", False),
+    # what MLP.forward asks says "not stacked"; the model's context k/v keep their stacking
+    "separate-mlp": lambda dflash: mock.patch.object(layers, "stacked_rows", lambda *ws: None),
     "invariant-linear": _invariant_linear,
 }
 

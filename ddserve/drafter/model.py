@@ -376,11 +376,7 @@ class DFlashDrafter(Drafter):
         n = self.cache.lengths.index_select(0, rows)  # [B]
         positions = n[:, None] + torch.arange(q_len, device=dev)  # [B, Q]
         ctx_pos, ctx_live = self.cache.positions(rows)  # [B, C]
-        in_place = self.ring_attention
-
-        def context(i: int) -> tuple[Tensor, Tensor] | tuple[RingRows, RingRows]:
-            return self.cache.layer(i, rows, in_place)
-
+        context = functools.partial(self.cache.layer, rows=rows, in_place=self.ring_attention)
         h = self.model.block(x, positions, ctx_pos, ctx_live, context)
         logits = self.target.lm_logits(h[:, 1:].reshape(b * self.depth, -1))  # [B*D, V]
         return logits.float().reshape(b, self.depth, -1)

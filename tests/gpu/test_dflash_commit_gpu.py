@@ -72,6 +72,27 @@ def test_graphed_block_commit_equals_commit_many():
     assert graphed.cache.length("b") > 2 * graphed.cache.capacity  # the ring wrapped
 
 
+def prompted_pair(seed: int, prompt_len: int):
+    """`drafter_pair` holding the same prompt of stream "a", and the generator its commits draw
+    from. Call inside the engine's kernel mode."""
+    graphed, eager = drafter_pair()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    width = len(eager.capture_layers) * H
+    prompt = torch.randn(prompt_len, width, generator=g, device="cuda").bfloat16()
+    for d in (graphed, eager):
+        d.add_stream("a", [0] * prompt_len, prompt)
+    return graphed, eager, g
+
+
+def commit_both(graphed, eager, g, rows: int, count: int) -> None:
+    """One commit of `count` tokens to stream "a": a block of `rows` to the graphed drafter, its
+    first `count` rows to the eager one."""
+    width = len(eager.capture_layers) * H
+    hidden = torch.randn(1, rows, width, generator=g, device="cuda").bfloat16()
+    graphed.commit_block(["a"], [[0] * count], hidden)
+    eager.commit_many([("a", [0] * count, hidden[0, :count])])
+
+
 def test_a_shape_whose_capture_fails_commits_eagerly(monkeypatch):
     """The first commit of a shape runs eagerly and counts (host and device lengths agree) even
     when its graph then cannot be captured; that shape stays eager, the ring still equal."""
@@ -81,17 +102,10 @@ def test_a_shape_whose_capture_fails_commits_eagerly(monkeypatch):
         raise RuntimeError("capture refused")
 
     monkeypatch.setattr(dflash_model._CommitGraph, "capture", fail)
-    graphed, eager = drafter_pair()
-    k = len(eager.capture_layers)
-    g = torch.Generator(device="cuda").manual_seed(3)
     with backend.invariant_mode(True):
-        prompt = torch.randn(4, k * H, generator=g, device="cuda").bfloat16()
-        for d in (graphed, eager):
-            d.add_stream("a", [0] * 4, prompt)
+        graphed, eager, g = prompted_pair(3, 4)
         for _ in range(3):
-            hidden = torch.randn(1, 6, k * H, generator=g, device="cuda").bfloat16()
-            graphed.commit_block(["a"], [[0] * 4], hidden)
-            eager.commit_many([("a", [0] * 4, hidden[0, :4])])
+            commit_both(graphed, eager, g, 6, 4)
     assert graphed._graphs == {} and graphed._eager == {(1, 6)}
     assert graphed.cache.length("a") == eager.cache.length("a") == 16
     assert torch.equal(graphed.cache.lengths, eager.cache.lengths)
@@ -101,17 +115,10 @@ def test_a_shape_whose_capture_fails_commits_eagerly(monkeypatch):
 def test_close_frees_the_commit_graphs_and_later_commits_capture_again():
     """`close` (the runner's, before its communicator goes) drops the graphs; a commit after it
     captures its shape again and the ring still equals the eager one."""
-    graphed, eager = drafter_pair()
-    k = len(eager.capture_layers)
-    g = torch.Generator(device="cuda").manual_seed(7)
     with backend.invariant_mode(True):
-        prompt = torch.randn(5, k * H, generator=g, device="cuda").bfloat16()
-        for d in (graphed, eager):
-            d.add_stream("a", [0] * 5, prompt)
+        graphed, eager, g = prompted_pair(7, 5)
         for step in range(4):
-            hidden = torch.randn(1, 4, k * H, generator=g, device="cuda").bfloat16()
-            graphed.commit_block(["a"], [[0] * 3], hidden)
-            eager.commit_many([("a", [0] * 3, hidden[0, :3])])
+            commit_both(graphed, eager, g, 4, 3)
             assert len(graphed._graphs) == 1
             if step == 1:
                 graphed.close()
