@@ -60,8 +60,8 @@ class CostedOracle(DeviceOracle):
         if dflash.depth != depth:
             raise ValueError(f"the drafter drafts {dflash.depth} depths, the oracle {depth}")
         self.dflash, self.capture_layers = dflash, dflash.capture_layers
-        self.max_streams = dflash.max_streams
-        dev, rows = dflash.cache.k.device, dflash.max_streams
+        self.max_streams, self.pad_row = dflash.max_streams, dflash.pad_row
+        dev, rows = dflash.cache.k.device, dflash.max_streams + 1  # + the padding blocks' row
         gen = torch.Generator(device=dev).manual_seed(self.seed)
         self._noise = torch.randn(rows, depth, vocab_size, device=dev, generator=gen)
         self._noise.mul_(self.noise)
@@ -94,6 +94,22 @@ class CostedOracle(DeviceOracle):
         for sid, toks in zip(sids, token_ids, strict=True):
             self.commit(sid, toks, None)
         self.dflash.commit_block(sids, token_ids, hidden)
+
+    @property
+    def step_commits(self) -> bool:
+        """The drafter's: its commit inside the verify graph, or its own graph after it."""
+        return self.dflash.step_commits
+
+    def commit_state(self, rows, hidden, counts) -> None:
+        self.dflash.commit_state(rows, hidden, counts)
+
+    def advance(self, sids, token_ids) -> None:
+        for sid, toks in zip(sids, token_ids, strict=True):
+            self.commit(sid, toks, None)  # the oracle's token context
+        self.dflash.advance(sids, token_ids)
+
+    def rewind(self, sids) -> None:
+        self.dflash.rewind(sids)
 
     def close(self) -> None:
         self.dflash.close()

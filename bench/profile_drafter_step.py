@@ -6,16 +6,16 @@ under the torch profiler (which sees the kernels of graph replays too).
     python bench/profile_drafter_step.py --batches 1,10 --budgets 16 --out prof.json
 
 Per batch size C: the oracle alone, then the drafter's work under each of `--variants` (comma
-list of `drafter_variants.py`'s: default, eager-commit, gathered, separate-mlp, or several
-joined by '+'; default "default,eager-commit+gathered+separate-mlp"), each with its own verify
-graph: the mean step wall time over `--steps` steps, every configuration timed before any is
+list of `drafter_variants.py`'s: default, commit-after-step, eager-commit, gathered,
+separate-mlp, or several joined by '+'; default "default,commit-after-step"), each with its own
+verify graph: the mean step wall time over `--steps` steps, every configuration timed before any is
 profiled (a profiler session leaves every later graph launch slower, `host_overhead.py`); then
 over 3 profiled steps the device's kernel time per step grouped by kernel name (count and us
 per step), and the kernels whose time grew most from the oracle to the first variant. Only the
 first budget of `--budgets` runs; the oracle is the perfect one (`--corrupt` 0).
 
     python bench/profile_drafter_step.py --batches 1,10 --budgets 16 \\
-        --variants default,eager-commit,gathered,separate-mlp,eager-commit+gathered+separate-mlp
+        --variants default,commit-after-step,commit-after-step+eager-commit,gathered
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> None:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__)
         print("Options: bench_engine.py's (--cuda-graphs and --drafter dflash always on).\n")
-    argv, variants = list(sys.argv[1:]), ["default", "eager-commit+gathered+separate-mlp"]
+    argv, variants = list(sys.argv[1:]), ["default", "commit-after-step"]
     if "--variants" in argv:  # this script's own option; the rest are bench_engine.py's
         i = argv.index("--variants")
         variants = argv[i + 1].split(",")

@@ -22,8 +22,8 @@
 #   drafter     a K2.5-DFlash-sized drafter as one rank's tp = 8 shard: its draft, commit and block
 #               commit (bench_drafter.py); its ring attention's launch sweep
 #               (bench_drafter_attn.py); the engine's DDTree step paying its work, by variant
-#               (profile_drafter_step.py: default, eager-commit, gathered, separate-mlp, all 3,
-#               invariant-linear) and against AR (bench_engine.py --drafter dflash); then the
+#               (profile_drafter_step.py: default, commit-after-step, that + eager-commit,
+#               gathered) and against AR (bench_engine.py --drafter dflash); then the
 #               drafter's GPU tests and DDTree == AR with DFlash drafters (gpu_engine_check.py)
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
@@ -121,9 +121,9 @@ case "$MODE" in
       --block-n 64 --out "$OUT/drafter_attn.json"
     step drafter_attn_half 100 python3 bench/bench_drafter_attn.py --live 0.5 --splits 256,auto \
       --warps 8 --block-n 64 --out "$OUT/drafter_attn_half.json"
-    variants=default,eager-commit,gathered,separate-mlp,eager-commit+gathered+separate-mlp
+    variants=default,commit-after-step,commit-after-step+eager-commit,gathered
     step profile_drafter 400 python3 bench/profile_drafter_step.py --batches 1,10 --budgets 16 \
-      --steps 8 --out "$OUT/profile_drafter.json" --variants "$variants,invariant-linear"
+      --steps 8 --out "$OUT/profile_drafter.json" --variants "$variants"
     step engine_dflash 300 python3 bench/bench_engine.py --cuda-graphs --batches 1,5,10 \
       --budgets 16 --corrupt 0.19 --steps 12 --drafter dflash --out "$OUT/engine_dflash.json"
     step pytest_drafter 200 python3 -m pytest -q -p no:cacheprovider -rf tests/core/test_dflash.py \

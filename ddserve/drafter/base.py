@@ -17,6 +17,12 @@ class Drafter(ABC):
     depth: int  # D: draft depths per step (block size - 1)
     capture_layers: tuple[int, ...]  # target layers whose outputs it consumes (() for tests)
     max_streams: int | None = None  # streams its per-stream device state can hold (None: any)
+    # the state row a verify graph's padding blocks draft from (`draft_rows`) and, where the graph
+    # commits, commit nothing into: a row no stream owns, where the drafter has one
+    pad_row: int = 0
+    # whether a verify graph that drafts inside it (`state_rows`) also commits each stream's
+    # accepted rows inside it (`commit_state`), the host then only `advance`-ing its lengths
+    step_commits: bool = False
 
     @abstractmethod
     def add_stream(self, sid: Hashable, prompt_ids: list[int], hidden: Tensor | None) -> None: ...
@@ -63,3 +69,19 @@ class Drafter(ABC):
         """`draft` from `state_rows(sids)` as a [B] device tensor: the same logits, no host
         work."""
         raise NotImplementedError(f"{type(self).__name__} drafts only through draft()")
+
+    def commit_state(self, rows: Tensor, hidden: Tensor, counts: Tensor) -> None:
+        """`commit_block` as pure tensor code inside the verify graph (`step_commits`): stream
+        i (state row rows[i]) commits the first counts[i] rows of hidden [B, W, C] at its
+        device length; a count of 0 commits nothing. The host's lengths stay behind until
+        `advance`."""
+        raise NotImplementedError(f"{type(self).__name__} commits only through commit_block()")
+
+    def advance(self, sids: list, token_ids: list[list[int]]) -> None:
+        """The host's side of a `commit_state` that committed token_ids[i] for stream sids[i]."""
+        raise NotImplementedError(f"{type(self).__name__} commits only through commit_block()")
+
+    def rewind(self, sids: list) -> None:
+        """Undo a `commit_state` that was not `advance`d (a step that failed after its graph
+        ran): the streams' device lengths back to the host's."""
+        raise NotImplementedError(f"{type(self).__name__} commits only through commit_block()")

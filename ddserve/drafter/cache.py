@@ -1,9 +1,11 @@
 """Per-stream ring of the drafter's per-layer context keys/values.
 
-Each stream owns one row of a preallocated pool `k, v [L, max_streams, C, KVH, Dh]`. The context
-token at absolute position p lives at ring index p % C, so a row holds the last C committed tokens
-and writing never moves data. Keys are stored after k_norm and RoPE (at the token's own position),
-so they are written once and read every step. The block's own keys/values are never stored.
+Each stream owns one row of a preallocated pool `k, v [L, S, C, KVH, Dh]`, S = max_streams + 1:
+the last row (`pad_row`) belongs to no stream; a CUDA graph's padding blocks draft from it and
+commit nothing into it, so they never touch a stream's row. The context token at absolute
+position p lives at ring index p % C, so a row holds the last C committed tokens and writing never
+moves data. Keys are stored after k_norm and RoPE (at the token's own position), so they are
+written once and read every step. The block's own keys/values are never stored.
 Which ring entries are live, and their positions, follow from the stream's length alone.
 """
 
@@ -39,11 +41,11 @@ class ContextCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
-        shape = (num_layers, max_streams, capacity, num_kv_heads, head_dim)
-        self.capacity = capacity
+        shape = (num_layers, max_streams + 1, capacity, num_kv_heads, head_dim)
+        self.capacity, self.pad_row = capacity, max_streams
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, C, KVH, Dh]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, C, KVH, Dh]
-        self.lengths = torch.zeros(max_streams, dtype=torch.long, device=device)  # [S]
+        self.lengths = torch.zeros(shape[1], dtype=torch.long, device=device)  # [S]
         self._rows: dict[Hashable, int] = {}
         self._host_len: dict[Hashable, int] = {}
         self._free = list(range(max_streams - 1, -1, -1))

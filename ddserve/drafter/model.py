@@ -225,6 +225,10 @@ class DFlashDrafter(Drafter):
         # the block attention reading the context in the ring (`kernels.drafter_attn`, a
         # Triton kernel; gathered rows where off): both on where the drafter lives on CUDA
         self.graph_commits = self.ring_attention = w.is_cuda
+        # a verify graph commits the accepted rows itself (`commit_state`) where a block's rows
+        # fit the ring without wrapping onto each other; padding blocks use the spare row
+        self.step_commits = self.depth + 1 <= capacity
+        self.pad_row = self.cache.pad_row
         self._graphs: dict[tuple[int, int], _CommitGraph] = {}  # commit_block's, by (B, W)
         self._eager: set[tuple[int, int]] = set()  # shapes whose capture failed
         # what the graphs share (they never run at once): a memory pool and static inputs,
@@ -335,6 +339,27 @@ class DFlashDrafter(Drafter):
         for ring, new in ((self.cache.k, k), (self.cache.v, v)):
             ring[:, r, i] = torch.where(keep, new.to(ring.dtype), ring[:, r, i])
         self.cache.lengths[rows] = starts + counts
+
+    @_in_kernel_mode
+    @torch.inference_mode()
+    def commit_state(self, rows: Tensor, hidden: Tensor, counts: Tensor) -> None:
+        """`Drafter.commit_state`: `commit_rows` at the streams' device lengths (inside the
+        verify graph; padding blocks at `pad_row` with count 0)."""
+        self.commit_rows(hidden, rows, self.cache.lengths.index_select(0, rows), counts)
+
+    def advance(self, sids: list, token_ids: list[list[int]]) -> None:
+        for sid, toks in zip(sids, token_ids, strict=True):
+            n = self.cache.length(sid) + len(toks)
+            if not self._exact_ring and n > self.cache.capacity:  # admission rules this out
+                raise ValueError(f"drafter context {n} exceeds max_context {self.cache.capacity}")
+            self.cache.set_length(sid, n)
+
+    def rewind(self, sids: list) -> None:
+        """`Drafter.rewind`. Where a ring had wrapped, the entries the undone commit overwrote
+        stay overwritten: only drafts can change, never what the target commits."""
+        rows = self.cache.row_ids(sids)
+        flat = self._positions.put(rows + [self.cache.length(s) for s in sids])
+        self.cache.lengths[flat[: len(rows)]] = flat[len(rows) :]
 
     def _checked(self, sid: Hashable, token_ids: list[int], hidden: Tensor | None):
         """(start position, rows kept, their reordered hidden states) of one commit."""

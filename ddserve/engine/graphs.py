@@ -8,7 +8,8 @@ The eager engine is launch-bound (a K2.6 rank forward is ~3,600 kernels). Two ki
   one per (B, budget, P, drafter), with greedy token choice (a batch with sampled streams
   redoes the choice and the acceptance from the graph's logits, eagerly: `ddtree.reselect`).
   A drafter whose draft is pure tensor code
-  (`Drafter.state_rows`, DFlash) is captured in the same graph; others run before it, eagerly,
+  (`Drafter.state_rows`, DFlash) is captured in the same graph, and so is its commit of the
+  accepted rows in greedy batches (`Drafter.step_commits`); others run before it, eagerly,
   and their logits are copied in. The host then reads the packed acceptance with the step's one
   device-to-host copy.
 B is the batch padded to a bucket and P a power of two >= the longest prefix. A step's integer
@@ -150,18 +151,29 @@ class _VerifyGraph:
     """One captured `verify_step` (tree build, verify inputs, target forward, greedy token choice,
     acceptance), preceded by the draft itself when the drafter can be captured (`drafter`, its
     `draft_rows` from static state rows), else fed the drafter's logits [B, D, V] (`draft_shape`
-    (D, V)). Padding blocks draft from row 0 or get zero logits, have no prefix, write to scratch
-    slots and see only their own block. Integer inputs arrive in one copy (`_Inputs`)."""
+    (D, V)); followed, for a captured drafter with `step_commits`, by its commit of each
+    stream's accepted rows (`commit_state`), so that a greedy step is this one graph and one
+    copy back. Padding blocks draft from the drafter's `pad_row` (and commit nothing) or get
+    zero logits, have no prefix, write to scratch slots and see only their own block. Integer
+    inputs arrive in one copy (`_Inputs`), among them one commit flag per block: 1 commits the
+    block's accepted rows, 0 (padding, and every block of a batch whose tokens are sampled
+    after the graph) commits none."""
 
     def __init__(self, run_model, table, b, n, p, drafter, draft_shape, scratch, device) -> None:
         q = n + 1
         t = b * q
         self.b, self.q, self._scratch = b, q, scratch[:t]
+        self.commits = getattr(drafter, "step_commits", False)  # None, or duck-typed: False
+        self._pad_row = getattr(drafter, "pad_row", 0)
         sizes = dict(bonus=b, lens=b, rows=b, slots=t)
         if drafter is not None:
             sizes["draft_rows"] = b  # the drafter's state rows
+        if self.commits:
+            sizes["commit"] = b
         self.inp = _Inputs(sizes, device)
         zeros = {name: [0] * size for name, size in sizes.items() if name != "slots"}
+        if drafter is not None:  # the warm-up run before capture drafts from the spare row
+            zeros["draft_rows"] = [self._pad_row] * b
         self.inp.load(**zeros, slots=self._scratch)
         v = self.inp.views
         self.draft = None
@@ -187,16 +199,28 @@ class _VerifyGraph:
             else:
                 draft = drafter.draft_rows(v["draft_rows"], v["bonus"])
             argmax = lambda logits: logits.argmax(dim=-1)  # noqa: E731
-            return verify_step(forward, argmax, draft, v["bonus"], meta.prefix_lens, n)
+            res = verify_step(forward, argmax, draft, v["bonus"], meta.prefix_lens, n)
+            if self.commits and res.hidden is not None:  # count = the accepted path's rows
+                drafter.commit_state(v["draft_rows"], res.hidden, res.packed[:, 0] * v["commit"])
+            return res
 
         self._table = table
         self.graph, self.out = _capture(step, device)
 
-    def replay(self, draft, draft_rows, bonus, rows, prefix_lens, block_slots) -> VerifyResult:
+    def replay(
+        self, draft, draft_rows, bonus, rows, prefix_lens, block_slots, commit: bool
+    ) -> bool:
         """Host ints for the first n = len(prefix_lens) blocks (`draft_rows` when the draft is
-        captured, else `draft` [n, D, V] on the device); the rest padding."""
+        captured, else `draft` [n, D, V] on the device); the rest padding. `commit`: the
+        drafter commits the blocks' accepted rows in the graph, where it can (the result is
+        whether it did)."""
         b, n, t = self.b, len(prefix_lens), self.b * self.q
-        extra = {} if self.draft is not None else dict(draft_rows=_padded(draft_rows, b, 0))
+        committed = commit and self.commits and self.out.hidden is not None
+        extra = {}
+        if self.draft is None:
+            extra["draft_rows"] = _padded(draft_rows, b, self._pad_row)
+        if self.commits:
+            extra["commit"] = _padded([int(committed)] * n, b, 0)
         self.inp.load(bonus=_padded(bonus, b, 0), lens=_padded(prefix_lens, b, 0),
                       rows=_padded(rows, b, 0), slots=_padded(block_slots, t, self._scratch),
                       **extra)  # fmt: skip
@@ -204,7 +228,7 @@ class _VerifyGraph:
             self.draft[:n].copy_(draft)
             self.draft[n:].zero_()
         self.graph.replay()
-        return self.out
+        return committed
 
 
 class GraphedForward:
@@ -261,33 +285,36 @@ class GraphedForward:
 
     def run_verify(
         self, draft, draft_rows, drafter, bonus, rows, prefix_lens, block_slots, budget: int,
-        table, tag=(),
-    ) -> VerifyResult | None:  # fmt: skip
+        table, tag=(), commit: bool = False,
+    ) -> tuple[VerifyResult, bool] | None:  # fmt: skip
         """`verify_step` with greedy token choice over the first n = len(prefix_lens) blocks, by
         replaying one graph, the draft inside it (`drafter.draft_rows` from the host ints
         `draft_rows`) when `draft` is None; None when the shape is not graphable. Host ints:
         bonus, rows (slot-table rows), prefix_lens [n] and block_slots [n * (budget + 1)]; `tag`
-        as in `run`. The result's tensors are the graph's static outputs (valid until its next
-        replay), cut to n blocks; sampled batches redo the choice from its logits
-        (`ddtree.reselect`)."""
+        as in `run`. `commit` (a greedy batch): the captured drafter also commits each block's
+        accepted rows (`Drafter.step_commits`). Returns the result, whose tensors are the
+        graph's static outputs (valid until its next replay) cut to n blocks, and whether the
+        drafter committed; sampled batches redo the choice from its logits
+        (`ddtree.reselect`) and commit after it."""
         n = len(prefix_lens)
         b = self._bucket(n, budget + 1)
         if b is None:
             return None
         self._use_table(table)
         source = (None, tuple(draft.shape[1:])) if draft is not None else (drafter, None)
-        key = (b, budget, _pow2_at_least(max(prefix_lens, default=1)), *source)
+        commits = draft is None and getattr(drafter, "step_commits", False)  # captured with it
+        key = (b, budget, _pow2_at_least(max(prefix_lens, default=1)), *source, commits)
         g = self._verify.get((*key, tag))
         if g is None:
             log.info("capturing the verify step for blocks=%d budget=%d prefix<=%d", *key[:3])
             g = self._verify[(*key, tag)] = _VerifyGraph(
-                self._run_model, table, *key, self._scratch, self._device
+                self._run_model, table, *key[:-1], self._scratch, self._device
             )
-        res = g.replay(draft, draft_rows, bonus, rows, prefix_lens, block_slots)
-        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        committed = g.replay(draft, draft_rows, bonus, rows, prefix_lens, block_slots, commit)
+        res, cut = g.out, lambda t: None if t is None else t[:n]  # noqa: E731
         tree = dataclasses.replace(res.tree, **{f: cut(getattr(res.tree, f)) for f in TREE_TENSORS})
         return VerifyResult(cut(res.packed), cut(res.hidden), tree, cut(res.logits),
-                            cut(res.all_hidden))  # fmt: skip
+                            cut(res.all_hidden)), committed  # fmt: skip
 
     def close(self) -> None:
         torch.cuda.synchronize(self._device)  # no replay in flight

@@ -251,19 +251,25 @@ class ModelRunner:
         """`verify_step` for these streams (their budget-n trees in `blocks`' slots) from the
         drafter's logits `draft`, or, when it is None, from its state `rows` (host ints; the
         draft then runs in the same graph): one graph replay when graphs are on and the shape
-        fits, else eagerly. `bonus`: each stream's last committed token."""
+        fits, else eagerly. `bonus`: each stream's last committed token. Returns the packed
+        acceptance, the accepted rows' hidden states, and whether the drafter has committed
+        them already (inside the graph of a greedy batch: `Drafter.step_commits`)."""
         lens = [len(st.slots) for st in sts]
         select = lambda logits: self._sample(sts, logits)  # noqa: E731
+        greedy = all(st.params.greedy for st in sts)
         if self._graphs is not None:
-            res = self._graphs.run_verify(
+            out = self._graphs.run_verify(
                 draft, rows, self.drafter, bonus, self.slot_table.rows([st.sid for st in sts]),
                 lens, [s for b in blocks for s in b], n, self.slot_table.table, self.capture,
+                commit=greedy,
             )  # fmt: skip
-            if res is not None:
+            if out is not None:
+                res, committed = out
                 self.target_forwards += 1
-                if not all(st.params.greedy for st in sts):
+                if not greedy:
                     res = reselect(res, select)
-                return res.packed, None if res.hidden is None else res.hidden.clone()
+                hidden = None if committed or res.hidden is None else res.hidden.clone()
+                return res.packed, hidden, committed
         bonus_t = torch.tensor(bonus, device=self.device)  # [B]
         if draft is None:
             draft = self.drafter.draft_rows(torch.tensor(rows, device=self.device), bonus_t)
@@ -273,7 +279,7 @@ class ModelRunner:
 
         prefix_lens = torch.tensor(lens, device=self.device)  # [B]
         res = verify_step(forward, select, draft, bonus_t, prefix_lens, n)
-        return res.packed, res.hidden
+        return res.packed, res.hidden, False
 
     def _forward(self, ids, positions, meta, absorbed: bool = True, logit_rows=None):
         self.target_forwards += 1
@@ -456,14 +462,21 @@ class ModelRunner:
             draft = None
         blocks = self._alloc_scratch([n + 1] * len(sts))
         with self._free_on_error(blocks):
-            packed_t, hidden = self._verify(sts, draft, rows, bonus, blocks, n)
-            packed = packed_t.tolist()  # the step's one D2H copy
-            width = (len(packed[0]) - 1) // 2
-            paths = [p[1 : 1 + p[0]] for p in packed]  # each stream's kept verify rows
-            toks = [p[1 + width : 1 + width + p[0]] for p in packed]  # its committed tokens
-            committed = [[st.output[-1]] + t[:-1] for st, t in zip(sts, toks, strict=True)]
-            self._commit_context(sts, committed, hidden)  # before any stream changes: a
-            # failure undoes the step
+            packed_t, hidden, in_step = self._verify(sts, draft, rows, bonus, blocks, n)
+            try:
+                packed = packed_t.tolist()  # the step's one D2H copy
+                width = (len(packed[0]) - 1) // 2
+                paths = [p[1 : 1 + p[0]] for p in packed]  # each stream's kept verify rows
+                toks = [p[1 + width : 1 + width + p[0]] for p in packed]  # its committed tokens
+                committed = [[st.output[-1]] + t[:-1] for st, t in zip(sts, toks, strict=True)]
+                if in_step:  # the graph committed the drafter's context; the host catches up
+                    self.drafter.advance(list(sids), committed)
+                else:
+                    self._commit_context(sts, committed, hidden)
+            except BaseException:  # before any stream changes: a failure undoes the step
+                if in_step:
+                    self.drafter.rewind(list(sids))
+                raise
         outs, kept_slots, dropped = {}, [], []
         for st, block, path, tk in zip(sts, blocks, paths, toks, strict=True):
             kept = set(path)

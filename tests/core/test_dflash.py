@@ -321,6 +321,49 @@ def test_block_commit_rows_equal_commit_many(stacked):
         rows_.cache.set_length("x", 0)
 
 
+def test_step_commit_state_then_advance_equals_commit_many():
+    """`commit_state` (the commit a verify graph runs after its acceptance) at the streams'
+    device lengths, padded as a graph pads its batch: a padding block at the spare `pad_row`
+    and a block with count 0 (a sampled batch's flag) commit nothing. After the host's
+    `advance`, ring and lengths equal `commit_many`'s, step after step as the ring wraps; the
+    spare row stays empty. `rewind` undoes a commit the host never advanced."""
+    raw = drafter_raw(**CASES["sliding"])
+    model, _ = make_model(raw, seed=6)
+    target, g = FakeTarget(seed=2), torch.Generator().manual_seed(9)
+    many, step = (DFlashDrafter(model, target, max_streams=3, max_context=64) for _ in "ab")
+    assert step.step_commits and step.pad_row == 3 and step.cache.k.shape[1] == 4
+    k, sids, w = len(many.capture_layers), ["x", "y", "z"], 6
+    for sid, n in zip(sids, (5, 14, 1), strict=True):
+        first = torch.randn(n, k * H, generator=g)
+        for d in (many, step):
+            d.add_stream(sid, [0] * n, first)
+    rows = torch.tensor([*step.cache.row_ids(sids), step.pad_row])  # [4]: 3 streams + padding
+    rng = random.Random(4)
+    for i in range(7):
+        hidden = torch.randn(4, w, k * H, generator=g)
+        counts = [rng.randint(1, w) for _ in sids]
+        flags = [1, 1, 1, 0] if i % 3 else [1, 0, 1, 0]  # stream y sits out some steps
+        toks = [[0] * c for c, f in zip(counts, flags, strict=False) if f]
+        live = [s for s, f in zip(sids, flags, strict=False) if f]
+        many.commit_many([
+            (s, [0] * c, hidden[j, :c])
+            for j, (s, c, f) in enumerate(zip(sids, counts, flags, strict=False)) if f
+        ])  # fmt: skip
+        step.commit_state(rows, hidden, torch.tensor([*counts, 5]) * torch.tensor(flags))
+        step.advance(live, toks)
+        torch.testing.assert_close(step.cache.k, many.cache.k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(step.cache.v, many.cache.v, atol=1e-6, rtol=1e-6)
+        assert torch.equal(step.cache.lengths, many.cache.lengths)
+        assert [step.cache.length(s) for s in sids] == [many.cache.length(s) for s in sids]
+    assert many.cache.length("y") > many.cache.capacity  # the ring wrapped
+    assert step.cache.lengths[step.pad_row] == 0 and not step.cache.k[:, step.pad_row].any()
+    before = step.cache.lengths.clone()
+    step.commit_state(rows, torch.randn(4, w, k * H, generator=g), torch.tensor([2, 3, 1, 0]))
+    assert not torch.equal(step.cache.lengths, before)
+    step.rewind(sids)
+    assert torch.equal(step.cache.lengths, before)
+
+
 def test_grouped_attention_is_torch_sdpa_with_gqa():
     """The drafter's attention (explicit matmuls, a KV head's query heads as one block of rows)
     against torch's scaled_dot_product_attention with enable_gqa and the same boolean mask."""

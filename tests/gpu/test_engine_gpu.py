@@ -187,8 +187,9 @@ def test_the_captured_verify_step_equals_the_eager_one(model_dir, drafter_kind, 
         outs[graphs] = run_all(runner, prompts, params, speculative=True)
         assert runner.free_slots == start
         assert bool(graphs) == bool(runner._graphs and runner._graphs._verify)
-        if drafter_kind == "dflash":  # its commits graphed only where the engine's are
-            assert runner.drafter.graph_commits == graphs == bool(runner.drafter._graphs)
+        if drafter_kind == "dflash":  # graphed only where the engine's are; greedy steps
+            assert runner.drafter.graph_commits == graphs  # commit inside the verify graph
+            assert not runner.drafter._graphs
         runner.close()
         if drafter_kind == "dflash":
             assert not runner.drafter._graphs
@@ -196,6 +197,50 @@ def test_the_captured_verify_step_equals_the_eager_one(model_dir, drafter_kind, 
         assert outs[True] == ar and outs[False] == ar
     else:
         assert outs[True] == outs[False]
+
+
+def _live_ring(drafter, sid) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stream's live context keys and values in its ring, oldest first."""
+    n, cap = drafter.cache.length(sid), drafter.cache.capacity
+    idx = torch.arange(max(0, n - cap), n, device="cuda") % cap
+    row = drafter.cache.row_ids([sid])[0]
+    return drafter.cache.k[:, row, idx].float(), drafter.cache.v[:, row, idx].float()
+
+
+def test_the_verify_graph_commits_the_drafters_context_as_its_commit_graph_does(model_dir):
+    """A greedy DDTree step with DFlash is one graph: the drafter commits each stream's accepted
+    rows inside the verify graph (`step_commits`; 3 streams in the bucket of 4, the padding
+    block at the drafter's spare row). In lockstep with an engine whose drafter commits after
+    the step through its own commit graph: the same tokens, the same lengths on the host and
+    the device, the live ring entries equal up to bf16 rounding (the two commits run at
+    different batch shapes), the spare row never written."""
+    prompts = PROMPTS[:3]
+    runners = [prefilled_runner(model_dir, True, prompts) for _ in range(2)]
+    in_step, after = (r.drafter for r in runners)
+    after.step_commits = False
+    assert in_step.step_commits
+    outs: list[dict[int, list[int]]] = [{}, {}]
+    steps = 0
+    while runners[0].streams and steps < 40:
+        for runner, out in zip(runners, outs, strict=True):
+            for sid, so in runner.ddtree_step(list(runner.streams)).items():
+                out.setdefault(sid, []).extend(so.tokens)
+        steps += 1
+        sids = list(runners[0].streams)
+        assert sids == list(runners[1].streams)
+        lens = [in_step.cache.length(s) for s in sids]
+        assert lens == [after.cache.length(s) for s in sids]
+        assert in_step.cache.lengths[in_step.cache.row_ids(sids)].tolist() == lens
+        for sid in sids:
+            for got, want in zip(_live_ring(in_step, sid), _live_ring(after, sid), strict=True):
+                torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert not runners[0].streams and not runners[1].streams
+    assert outs[0] == outs[1]
+    pad = in_step.pad_row
+    assert in_step.cache.lengths[pad] == 0 and not in_step.cache.k[:, pad].any()
+    assert not in_step._graphs and after._graphs  # only the second used its commit graph
+    for runner in runners:
+        runner.close()
 
 
 @pytest.mark.parametrize("speculative", [False, True])
