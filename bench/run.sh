@@ -17,8 +17,9 @@
 #               clean shutdown; extra args go to `ddserve serve`
 #   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
 #   step        one call after a step-kernel change: the PDL/router/fused/dense/engine/MoE GPU
-#               tests, then the forward profile under each kernel launch variant (extra args:
-#               pytest -k); the engine bench is `engine` mode
+#               tests, then the forward profile under each variant in $VARIANTS (default:
+#               default,no-prefetch,no-pdl; extra args: pytest -k); the engine bench is `engine`
+#               mode
 #   drafter     a K2.5-DFlash-sized drafter as one rank's tp = 8 shard: its draft, commit and block
 #               commit (bench_drafter.py); its ring attention's launch sweep
 #               (bench_drafter_attn.py); the engine's DDTree step paying its work, by variant
@@ -105,12 +106,14 @@ case "$MODE" in
   step)
     step pytest_step 250 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_pdl_gpu.py \
       tests/gpu/test_router_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_invariant_gpu.py \
+      tests/gpu/test_linear_silu_gpu.py tests/gpu/test_side_stream_gpu.py \
       tests/gpu/test_engine_gpu.py tests/gpu/test_moe_v3.py tests/gpu/test_tree_attn_triton.py \
       ${1:+-k "$1"}
-    # one forward per configuration under each launch variant (PDL with and without its L2
-    # prefetches, plain launches), same weights and inputs: compare the replays' wall times
+    # one forward per configuration under each variant (by default the launch variants: PDL with
+    # and without its L2 prefetches, plain launches), same weights and inputs: compare the
+    # replays' wall times
     step profile 300 python3 bench/profile_step.py --batches 1,10 \
-      --variants default,no-prefetch,no-pdl --out "$OUT/profile.json"
+      --variants "${VARIANTS:-default,no-prefetch,no-pdl}" --out "$OUT/profile.json"
     ;;
   drafter)
     step drafter_tp8 200 python3 bench/bench_drafter.py --batches 1,5,10 --tp 8 --profile \
