@@ -27,13 +27,11 @@ launch of its own and the query's RoPE in `mla_rope_cache`), "moe-rolled" / "moe
 "moe-pfaN" (the MoE's step loop not unrolled / two weight steps in flight / each step asks L2
 for the lines of the step N ahead at every T, 0: none; same bits), "moe-split8" (the up
 projection's K in 8 ranges: other bits, timing only), "router-splitN" (the router gate's K in N
-ranges: other bits, timing only), "router-two-launch" (the router's selection in a second launch,
-`RouterConfig.fused` off; same bits), "matmul-pfNk" (each dense matmul program asks L2 for up to N
+ranges: other bits, timing only), "matmul-pfNk" (each dense matmul program asks L2 for up to N
 KiB of its weights before the PDL wait instead of `invariant.PREFETCH_BYTES`; same bits),
 "moe-pairs-fp32" (the down GEMM's per-pair outputs in fp32, not bf16: other bits, timing only),
 "moe-pairs-uptoN" (the MoE's top-k combine in the shared down matmul's epilogue up to N tokens,
-not `moe_triton.PAIRS_MAX_TOKENS`; same bits), "unfused-shared-silu" (every DenseMLP's gate/up
-matmul then `silu_mul`, two launches, instead of `backend.linear_silu`'s one; same bits).
+not `moe_triton.PAIRS_MAX_TOKENS`; same bits).
 With PDL a kernel may start before its predecessor ends and wait on the device, so its profiled
 duration includes that wait: compare variants by the replay's wall time. On CPU there is no
 graph: leaf CPU ops stand in for kernels (a smoke run of the attribution code).
@@ -74,9 +72,9 @@ VARIANTS = ("default", "no-matmul-prefetch", "no-router-prefetch", "no-attention
             "no-prefetch", "no-pdl", "no-side-stream", "side-first",
             "no-latent-fusion", "moe-rolled", "moe-depth2", "moe-pfa0", "moe-pfa2",
             "moe-pfa3", "moe-pfa4", "moe-pfa6", "moe-split8", "router-split14",
-            "router-split28", "router-two-launch", "matmul-pf64k", "matmul-pf128k", "matmul-pf256k",
+            "router-split28", "matmul-pf64k", "matmul-pf128k", "matmul-pf256k",
             "moe-pairs-fp32", "moe-pairs-upto0", "moe-pairs-upto16",
-            "moe-pairs-upto1024", "unfused-shared-silu")  # fmt: skip
+            "moe-pairs-upto1024")  # fmt: skip
 
 CATEGORIES = (
     "tree attention",
@@ -371,7 +369,6 @@ def variant(runner, name: str):
     router_config, matmul_pf = router.router_config, invariant.PREFETCH_BYTES
     moe_config, pairs_max = dict(moe_v3.CONFIG), moe_triton.PAIRS_MAX_TOKENS
     attention = [(m, m.latent_fusion) for m in runner.model.modules() if isinstance(m, MLA)]
-    linear_silu = backend.linear_silu
     if name == "no-pdl":
         runner.kernels = dataclasses.replace(kernels, pdl=False)
     elif name == "no-side-stream":
@@ -398,10 +395,6 @@ def variant(runner, name: str):
     elif name.startswith("router-split"):
         split = int(name.removeprefix("router-split"))
         router.router_config = lambda e, d: router_config(e, d)._replace(split=split)
-    elif name == "router-two-launch":
-        router.router_config = lambda e, d: router_config(e, d)._replace(fused=False)
-    elif name == "unfused-shared-silu":
-        backend.linear_silu = unfused_linear_silu
     elif name == "no-prefetch":
         pdl.PREFETCH = frozenset()
     elif name.endswith("-prefetch"):  # no-<kernel>-prefetch
@@ -413,14 +406,8 @@ def variant(runner, name: str):
         router.router_config, invariant.PREFETCH_BYTES = router_config, matmul_pf
         moe_v3.CONFIG.update(moe_config)
         moe_triton.PAIRS_MAX_TOKENS = pairs_max
-        backend.linear_silu = linear_silu
         for mod, fused in attention:
             mod.latent_fusion = fused
-
-
-def unfused_linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`backend.linear_silu` as two launches: the stacked gate/up matmul, then `silu_mul`."""
-    return backend.silu_mul(backend.linear(x, w))
 
 
 def side_first_moe_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:

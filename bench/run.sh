@@ -106,7 +106,7 @@ case "$MODE" in
   step)
     step pytest_step 250 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_pdl_gpu.py \
       tests/gpu/test_router_gpu.py tests/gpu/test_fused_gpu.py tests/gpu/test_invariant_gpu.py \
-      tests/gpu/test_linear_silu_gpu.py tests/gpu/test_side_stream_gpu.py \
+      tests/gpu/test_side_stream_gpu.py \
       tests/gpu/test_engine_gpu.py tests/gpu/test_moe_v3.py tests/gpu/test_tree_attn_triton.py \
       ${1:+-k "$1"}
     # one forward per configuration under each variant (by default the launch variants: PDL with

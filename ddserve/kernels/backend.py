@@ -23,8 +23,7 @@ CUDA, bf16 / fp16 activations, batch-invariant mode on:
   rope part: decode and verify forwards at K2.6 shapes), MLA runs instead mla_latent
   (q_a_layernorm, kv_a_layernorm, RoPE of k_pe, cache write): `fused._mla_latent_kernel`, and
   linear_rope (q_b_proj with the query's RoPE in the epilogue): `invariant._mm_kernel` (ROPE)
-- silu_mul: `fused._silu_mul_kernel`; linear_silu (an MLP's stacked gate/up matmul, then
-  silu_mul): `invariant._mm_kernel` with silu(gate) * up in its epilogue (SILU), one launch
+- silu_mul: `fused._silu_mul_kernel`
 - route (the MoE router, any float activations): `router._gate_partials_kernel` + `_select_kernel`
 - tree attention: `tree_attn_triton.tree_mla_attention(invariant=True)` ->
   `tree_attn_invariant._tree_attn_inv_kernel` with its device's configuration (SPLIT 256; BN 64
@@ -524,14 +523,6 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
     kernels = _fused_for("silu_mul", gu)
     return kernels.silu_mul(gu) if kernels else silu_mul_ref(gu)
-
-
-def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [2I, K]^T (the stacked gate and up weights, gate rows first) ->
-    F.silu(gate) * up [..., I]: `silu_mul(linear(x, w))`, bitwise, in one launch on the
-    batch-invariant path for 16-bit x (`invariant.linear_silu`)."""
-    kernels = _invariant_for("linear_silu", x) if x.dtype in HALF else None
-    return kernels.linear_silu(x, w) if kernels else silu_mul(linear(x, w))
 
 
 # ---- the MoE router (Triton in router.py, torch in router_ref.py) -----------------------------

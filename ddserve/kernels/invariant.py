@@ -31,14 +31,6 @@ that decides the arithmetic of a row independently of M:
   `fused_ref.apply_rope`'s arithmetic on the rounded outputs (`_rope_lane`: products rounded to
   the 16-bit dtype, then added, rounded), so the bits are those of `linear` then that RoPE.
   Every other matmul compiles with the epilogue off (constexpr), the same code as without it.
-- `linear_silu`: `linear` of the stacked gate/up weight [2I, K] (gate rows, then up rows: no
-  copy, no other layout) with silu(gate) * up in the epilogue, y [M, I]: an MLP's activation,
-  one launch. Column tile t of the configuration's BLOCK_N reads the weight's rows as (gate,
-  up) pairs of outputs t * BLOCK_N / 2 + j (tile column 2j gate row o, 2j + 1 up row I + o), so
-  every output's two accumulators sit side by side in one program; the configuration is the
-  stacked matmul's (N = 2I), hence the K order, split and bits of `linear(x, w)`, then
-  `fused._silu_mul_kernel`'s arithmetic (`_silu_mul_pairs`) on the rounded pairs. Split K: the
-  partials are laid out as the stacked matmul's [M, 2I] output.
 - `rms_norm`: one program per row, the whole row in one block, a fixed tl.sum tree.
 
 References with the same semantics are in `invariant_ref.py` (`split_sum_ref`: the split-order
@@ -52,7 +44,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ddserve.kernels import backend, pdl
 from ddserve.kernels.invariant_configs import MMConfig, mm_config  # noqa: F401 (re-exported)
@@ -148,34 +139,6 @@ def _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr,
     return y
 
 
-@triton.jit
-def _split_sum(part_ptr, sps, offs, ok, SPLIT: tl.constexpr):
-    """part[0] + part[1] + ... + part[SPLIT - 1] at offs (fp32, split order), read from L2."""
-    tot = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-    for j in tl.static_range(1, SPLIT):
-        tot += tl.load(part_ptr + j * sps + offs, mask=ok, other=0.0, cache_modifier=".cg")
-    return tot
-
-
-@triton.jit
-def _silu_store(g, u, y_ptr, rm, m_ok, pid_n, N, sym, syn, BLOCK_N: tl.constexpr,
-                INTERPRET: tl.constexpr):  # fmt: skip
-    """g, u [BM, BN/2]: the fp32 gate and up results of outputs pid_n * BN/2 + j, rounded to
-    y's dtype (as `_epilogue` rounds), then y = round(round(silu(g)) * u) with
-    `fused._silu_mul_kernel`'s operations in its order; columns past N are not stored."""
-    g, u = g.to(y_ptr.dtype.element_ty), u.to(y_ptr.dtype.element_ty)
-    gf = g.to(tl.float32)
-    if INTERPRET:  # the interpreter has no libdevice
-        e = tl.exp(-gf)
-    else:
-        e = libdevice.exp(-gf)  # expf, as torch's CUDA silu
-    act = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)  # torch's silu in fp32, rounded
-    y = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)  # [BM, BN/2]
-    ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BN/2] output columns
-    offs = rm.to(tl.int64)[:, None] * sym + ro[None, :] * syn  # [BM, BN/2]
-    tl.store(y_ptr + offs, y, mask=m_ok[:, None] & (ro < N)[None, :])
-
-
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     x_ptr, w_ptr, y_ptr, r_ptr, part_ptr, ticket_ptr, M, N, K: tl.constexpr,
@@ -185,7 +148,7 @@ def _mm_kernel(
     INTERPRET: tl.constexpr, REDUCE: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
     PDL: tl.constexpr, ADD: tl.constexpr, TOPK: tl.constexpr, srm, cos_ptr=None, sin_ptr=None,
     ROPE: tl.constexpr = False, NOPE: tl.constexpr = 0, HEAD: tl.constexpr = 0,
-    INTERLEAVE: tl.constexpr = False, SILU: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False,
 ):  # fmt: skip
     """y[m, h, n] = sum over k of x[m, h, k] * w[h, k, n]; program (m tile, n tile, head * SPLIT +
     s) accumulates split s's K range in fp32. SPLIT = 1: rounds to y's dtype and stores y.
@@ -201,10 +164,6 @@ def _mm_kernel(
     HEAD - NOPE = BLOCK_N of each a rope part; a tile that is one is rotated after rounding
     (`_rope_epilogue`, cos/sin [M, BLOCK_N] contiguous). Off (the default), the kernel is the
     same code as without these parameters (cos_ptr and sin_ptr are None, hence constexprs).
-    SILU (`linear_silu`; heads = 1, no ADD or ROPE): w is [2N, K] (gate rows, then up rows), y
-    [M, N]; tile column 2j reads gate row pid_n * BN/2 + j, column 2j + 1 its up row, N + that;
-    y = `_silu_mul_pairs` of the rounded result (`_silu_store`). Partials at part[s, m, w row]
-    (rows of 2N). Off (the default), the same code as without it.
     PF_LINES > 0 (PDL launches of weights contiguous along K): before waiting for the previous
     kernel, the program asks L2 for the first PF_LINES 128-byte lines (PF_STEP elements each)
     of each of its weight columns' K range."""
@@ -214,10 +173,6 @@ def _mm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rk = tl.arange(0, BLOCK_K)  # [BK]
     m_ok, n_ok = rm < M, rn < N
-    if SILU:  # tile column 2j (2j + 1): the gate (up) row of output pid_n * BN/2 + j
-        ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2  # [BN] output column
-        n_ok = ro < N
-        rn = ro + (tl.arange(0, BLOCK_N) % 2) * N  # [BN] weight row
     x_rows = x_ptr + h.to(tl.int64) * sxh + rm.to(tl.int64)[:, None] * sxm  # [BM, 1]
     w_cols = w_ptr + h.to(tl.int64) * swh + rn.to(tl.int64)[None, :] * swn  # [1, BN]
     if PF_LINES > 0:  # weights: no kernel of the forward writes them
@@ -238,13 +193,8 @@ def _mm_kernel(
         else:
             acc = tl.dot(a, b, acc)  # [BM, BN] 16-bit MMA, fp32 accumulate
     offs = h.to(tl.int64) * syh + rm.to(tl.int64)[:, None] * sym + rn[None, :] * syn  # [BM, BN]
-    if SILU:  # partials as the stacked matmul's output [M, 2N]
-        offs = rm.to(tl.int64)[:, None] * (2 * N) + rn[None, :]  # [BM, BN]
     ok = m_ok[:, None] & n_ok[None, :]  # [BM, BN]
-    if SPLIT == 1 and SILU:
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))  # [BM, BN/2] each
-        _silu_store(g, u, y_ptr, rm, m_ok, pid_n, N, sym, syn, BLOCK_N, INTERPRET)
-    elif SPLIT == 1:
+    if SPLIT == 1:
         y = _epilogue(acc, r_ptr, offs, rm, rn, ok, srm, y_ptr.dtype.element_ty, ADD, TOPK)
         if ROPE:
             y = _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N, NOPE, HEAD,
@@ -257,21 +207,15 @@ def _mm_kernel(
             tile = (h * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
             ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")  # arrivals before this
             if ticket == SPLIT - 1:  # the others have stored theirs; read them from L2 (.cg)
-                if SILU:  # the gate and the up partials as two half tiles
-                    oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BN/2] outputs
-                    offs_g = rm.to(tl.int64)[:, None] * (2 * N) + oc[None, :]  # [BM, BN/2]
-                    ok_h = m_ok[:, None] & (oc < N)[None, :]
-                    g = _split_sum(part_ptr, sps, offs_g, ok_h, SPLIT)
-                    u = _split_sum(part_ptr, sps, offs_g + N, ok_h, SPLIT)  # up rows: N + gate's
-                    _silu_store(g, u, y_ptr, rm, m_ok, pid_n, N, sym, syn, BLOCK_N, INTERPRET)
-                else:
-                    tot = _split_sum(part_ptr, sps, offs, ok, SPLIT)
-                    y = _epilogue(tot, r_ptr, offs, rm, rn, ok, srm, y_ptr.dtype.element_ty, ADD,
-                                  TOPK)  # fmt: skip
-                    if ROPE:
-                        y = _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N, NOPE,
-                                           HEAD, INTERLEAVE, INTERPRET)  # fmt: skip
-                    tl.store(y_ptr + offs, y, mask=ok)
+                tot = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLIT):
+                    tot += tl.load(part_ptr + j * sps + offs, mask=ok, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                y = _epilogue(tot, r_ptr, offs, rm, rn, ok, srm, y_ptr.dtype.element_ty, ADD, TOPK)
+                if ROPE:
+                    y = _rope_epilogue(y, pid_n, rm, m_ok, cos_ptr, sin_ptr, BLOCK_N, NOPE, HEAD,
+                                       INTERLEAVE, INTERPRET)  # fmt: skip
+                tl.store(y_ptr + offs, y, mask=ok)
                 tl.store(ticket_ptr + tile, 0)  # clean for the next launch (or graph replay)
 
 
@@ -386,41 +330,36 @@ class RopeEpilogue(NamedTuple):
 def _launch(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws, heads: int,
     cfg: MMConfig | None = None, two_launch: bool = False, add: torch.Tensor | None = None,
-    add_topk: int = 0, rope: RopeEpilogue | None = None, silu: bool = False,
+    add_topk: int = 0, rope: RopeEpilogue | None = None,
 ) -> None:  # fmt: skip
     """y [M, (H,) N] (fresh, contiguous) = x [M, (H,) K] @ w seen as [H, K, N] via strides ws,
     plus `add` (contiguous: y's shape, or [M * add_topk, N] fp32 or bf16 pairs summed per row) when
-    given, with `rope`'s rotation when given; with `silu`, w is [K, 2N] (gate, then up) and y
-    silu(gate) * up (`linear_silu`). `cfg` (default: `mm_config`'s, of the weight) and
-    `two_launch` (the split-K sum as `_sum_splits_kernel`) are for benchmarks and tests; both
-    ways give the same bits."""
+    given, with `rope`'s rotation when given. `cfg` (default: `mm_config`'s) and `two_launch`
+    (the split-K sum as `_sum_splits_kernel`) are for benchmarks and tests; both ways give the
+    same bits."""
     assert add is None or not two_launch, "the residual add is the in-kernel sum's epilogue"
     assert add_topk == 0 or heads == 1, "pair rows are addressed by row only"
     x, xs = _canonical(x)
     if x.dim() == 2:
         xs = [xs[0], 0, xs[1]]
     m, k, n = x.shape[0], x.shape[-1], y.shape[-1]
-    n_w = 2 * n if silu else n  # the weight's columns
-    cfg = cfg or mm_config(n_w, k, x.dtype, heads)
+    cfg = cfg or mm_config(n, k, x.dtype, heads)
     bm, bn, bk, split = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split
-    epilogue_args = {}
+    rope_args = {}
     if rope is not None:
         p = rope.cos.shape[-1]
         assert heads == 1 and add is None and not two_launch, "rope: a plain linear"
         assert _rope_tiling_ok(n, bn, rope.nope, p), f"rope parts of {p} are not {bn}-column tiles"
         assert rope.cos.shape == rope.sin.shape == (m, p) and rope.cos.is_contiguous()
         assert rope.sin.is_contiguous() and rope.cos.dtype == rope.sin.dtype == y.dtype
-        epilogue_args = dict(cos_ptr=rope.cos, sin_ptr=rope.sin, ROPE=True, NOPE=rope.nope,
+        rope_args = dict(cos_ptr=rope.cos, sin_ptr=rope.sin, ROPE=True, NOPE=rope.nope,
                          HEAD=rope.nope + p, INTERLEAVE=rope.interleave)  # fmt: skip
-    if silu:
-        assert heads == 1 and add is None and rope is None and not two_launch, "silu: a linear"
-        epilogue_args = dict(SILU=True)
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     ys = (y.stride(0), 0, y.stride(-1)) if y.dim() == 2 else y.stride()
-    grid = (triton.cdiv(m, bm), triton.cdiv(n_w, bn), heads * split)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), heads * split)
     part, tickets, part_stride = y, y, 0
-    if split > 1:  # fp32 partials [split, M x (H x) n_w rounded up to 16] (a 16-divisible stride)
-        part_stride = triton.cdiv(m * heads * n_w, 16) * 16
+    if split > 1:  # fp32 partials [split, numel rounded up to 16] (a stride divisible by 16)
+        part_stride = triton.cdiv(y.numel(), 16) * 16
         part, tickets = scratch(y.device).take(
             split * part_stride, grid[0] * grid[1] * heads, y.device
         )
@@ -436,7 +375,7 @@ def _launch(
         FP32=x.dtype == torch.float32, PRECISION=cfg.precision, INTERPRET=_interpreting(),
         REDUCE=not two_launch, PF_LINES=pf_lines, PF_STEP=pf_step, ADD=add is not None,
         TOPK=add_topk, srm=0 if add is None else add.stride(0),
-        num_warps=cfg.warps, num_stages=cfg.stages, **epilogue_args, **launch,
+        num_warps=cfg.warps, num_stages=cfg.stages, **rope_args, **launch,
     )  # fmt: skip
     if split > 1 and two_launch:
         numel = y.numel()
@@ -521,23 +460,6 @@ def linear_rope(
         rope = RopeEpilogue(cos.contiguous(), sin.contiguous(), nope, interleave)
         _launch(x, w, y, (0, w.stride(1), w.stride(0)), 1, rope=rope)
     return y
-
-
-def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [2I, K]^T (the stacked gate and up weights: gate rows, then up rows) ->
-    silu(gate) * up [..., I] in x.dtype (16-bit): bitwise `fused.silu_mul(linear(x, w))` in one
-    launch (the stacked matmul's configuration, silu-mul in its epilogue)."""
-    _check(x, w)
-    n2, k = w.shape
-    if x.dtype not in (torch.bfloat16, torch.float16) or n2 % 2:
-        raise ValueError(f"linear_silu takes 16-bit x and a [2I, K] weight, got {x.dtype} {n2}")
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
-    x2 = x.reshape(-1, k)  # [M, K]
-    y = torch.empty(x2.shape[0], n2 // 2, dtype=x.dtype, device=x.device)  # [M, I]
-    if x2.shape[0]:
-        _launch(x2, w, y, (0, w.stride(1), w.stride(0)), 1, silu=True)
-    return y.view(*x.shape[:-1], n2 // 2)
 
 
 def _checked_add(add: torch.Tensor, topk: int, out_shape, m: int, x: torch.Tensor) -> torch.Tensor:

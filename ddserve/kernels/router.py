@@ -1,39 +1,29 @@
-"""The MoE router in one Triton launch, batch-invariant: a token's expert ids and weights do not
+"""The MoE router in two Triton launches, batch-invariant: a token's expert ids and weights do not
 depend on how many other tokens are in the call or what they are.
 
-`_gate_partials_kernel` runs the fp32 gate GEMV, spread over (expert blocks x K splits) programs
-and token tiles, each storing its split's partial logits [T, SPLIT, E_PAD]; then each program
-takes an int32 ticket for its token tile (`tl.atomic_add`, acq_rel), and the program that draws
-the tile's last ticket runs the selection for the tile's tokens and resets the ticket to 0
-(`invariant._mm_kernel`'s split-K sum; the partials and tickets live in `invariant.scratch`,
-whose per-device, per-stream contract makes CUDA graphs and the side stream safe).
+1. `_gate_partials_kernel`: the fp32 gate GEMV, spread over (expert blocks x K splits) programs
+   and token tiles, each writing its split's partial logits [T, SPLIT, E_PAD]. The default
+   (`router_config`, `RouterConfig.mma`) takes one tl.dot "tf32x3" product per K step (three
+   tf32 tensor-core products, about fp32 accuracy, row-invariant like `invariant._mm_kernel`):
+   at K2.6's gate (tp = 8: 11 MB, E 384, D 7168) 12 expert blocks x 7 splits per 64-token tile.
+   A bf16 gate with bf16 x (checkpoints store the gate in bf16; `moe.Router` passes a bf16
+   copy when it holds the fp32 values exactly) takes one bf16 product per K step instead: the
+   products of two bf16 numbers are exact and the MMA adds them at fp32 precision, as the
+   tf32x3 form does, from half the weight bytes and a third of the MMAs.
+   Without `mma` a program keeps BLOCK_K fp32 accumulators per (token, expert), each an FMA
+   chain over the split's K range in K order, summed with one fixed `tl.sum` tree: exact fp32
+   products, but at T in the hundreds the FMAs, not the weight, bound the time.
+2. `_select_kernel`, one program per token: logits = partials of splits 0, 1, ... added in that
+   order; sigmoid; + bias; the group filter (a group's score is the sum of its two best biased
+   scores; the best `topk_group` groups are kept); top-k by descending biased score (ties: lower
+   expert id first); weights = the unbiased sigmoid at the ids, divided by their sum (+ 1e-20;
+   `invariant_ref.fixed_order_sum`'s pairwise order, so bitwise that sum) when `norm_topk_prob`,
+   times `routed_scaling_factor`.
 
-1. The gate. The default (`router_config`, `RouterConfig.mma`) takes one tl.dot "tf32x3"
-   product per K step (three tf32 tensor-core products, about fp32 accuracy, row-invariant like
-   `invariant._mm_kernel`): at K2.6's gate (tp = 8: 11 MB, E 384, D 7168) 12 expert blocks x 7
-   splits per 64-token tile. A bf16 gate with bf16 x (checkpoints store the gate in bf16;
-   `moe.Router` passes a bf16 copy when it holds the fp32 values exactly) takes one bf16
-   product per K step instead: the products of two bf16 numbers are exact and the MMA adds
-   them at fp32 precision, as the tf32x3 form does, from half the weight bytes and a third of
-   the MMAs. Without `mma` a program keeps BLOCK_K fp32 accumulators per (token, expert), each
-   an FMA chain over the split's K range in K order, summed with one fixed `tl.sum` tree: exact
-   fp32 products, but at T in the hundreds the FMAs, not the weight, bound the time.
-2. The selection (`_select_rows`), SEL_T tokens at a time ([SEL_T, G_PAD, EG_PAD] tiles, SEL_T
-   = `RouterConfig.sel_elems` / (G_PAD EG_PAD): 4 at K2.6, 8 at DeepSeek-V3): logits =
-   partials of splits 0, 1, ... added in that order; sigmoid; + bias; the group filter (a
-   group's score is the sum of its two best biased scores; the best `topk_group` groups are
-   kept); top-k by descending biased score (ties: lower expert id first); weights = the
-   unbiased sigmoid at the ids, divided by their sum (+ 1e-20; `invariant_ref.fixed_order_sum`'s
-   pairwise order, so bitwise that sum) when `norm_topk_prob`, times `routed_scaling_factor`.
-   Every step is elementwise or an exact max / pairwise add along the token's own row, so the
-   bits do not depend on SEL_T or on the other tokens of the tile.
-`RouterConfig.fused=False` (benchmarks, tests) runs the selection as a second launch instead,
-`_select_kernel` with one program per token: the same bits.
-
-Every choice that shapes a token's arithmetic (tiles, split, warps, SEL_T) is a function of (E,
-D, routing params) only (`router_config`), never of T; T is not specialised on. The torch
-reference is `router_ref.route_ref`; the two agree on ids for inputs without near-ties and on
-weights to fp32 rounding, not bitwise (different summation order of the gate dot products).
+Every choice that shapes a token's arithmetic (tiles, split, warps) is a function of (E, D) only
+(`router_config`), never of T; T is not specialised on. The torch reference is
+`router_ref.route_ref`; the two agree on ids for inputs without near-ties and on weights to fp32
+rounding, not bitwise (different summation order of the gate dot products).
 """
 
 from __future__ import annotations
@@ -45,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ddserve.kernels import pdl
-from ddserve.kernels.invariant import _canonical, scratch
+from ddserve.kernels.invariant import _canonical
 from ddserve.kernels.pdl import begin as pdl_begin
 from ddserve.kernels.pdl import prefetch_l2
 from ddserve.kernels.router_ref import RoutingParams
@@ -62,11 +52,9 @@ class RouterConfig(NamedTuple):
     block_e: int  # experts per gate program
     block_k: int  # fp32 accumulators per (token, expert): the lanes of the FMA chains
     unroll: int  # K steps loaded per loop iteration (bytes in flight)
-    split: int  # K ranges, summed in order by the selection
+    split: int  # K ranges, summed in order by the select kernel
     warps: int
     mma: bool = False  # tensor cores (tl.dot "tf32x3", ~fp32) instead of the FMA chains
-    fused: bool = True  # the selection in the gate launch (else a second launch)
-    sel_elems: int = 2048  # tokens x padded experts per step of the fused selection
 
 
 def router_config(e: int, d: int) -> RouterConfig:
@@ -87,151 +75,19 @@ def router_config(e: int, d: int) -> RouterConfig:
     return RouterConfig(64, 32, 32, 4, split, 4, mma=True)
 
 
-@triton.jit
-def _ordered(v):
-    """fp32 -> int32 with the same order (negative floats get their magnitude bits flipped)."""
-    i = v.to(tl.int32, bitcast=True)
-    return tl.where(i < 0, i ^ 0x7FFFFFFF, i)
-
-
-@triton.jit
-def _unordered(o):
-    """The inverse of `_ordered`."""
-    return tl.where(o < 0, o ^ 0x7FFFFFFF, o).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key(v, idx, N: tl.constexpr):
-    """An int64 whose max is the largest v, the lowest idx (< N) among equal v."""
-    return (_ordered(v).to(tl.int64) << 32) | (N - idx).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    return _unordered((key >> 32).to(tl.int32))
-
-
-@triton.jit
-def _key_index(key, N: tl.constexpr):
-    return N - (key - ((key >> 32) << 32)).to(tl.int32)  # the low 32 bits
-
-
-@triton.jit
-def _score(part_ptr, offs, mask, E_PAD: tl.constexpr, SPLIT: tl.constexpr):
-    """sigmoid(partials of splits 0, 1, ... added in order) at expert offsets `offs`. Read from
-    L2 (.cg): in the fused launch other programs wrote them."""
-    logit = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT):
-        logit += tl.load(part_ptr + s * E_PAD + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.div_rn(1.0, 1.0 + tl.exp(-logit))
-
-
-@triton.jit
-def _halve(v, N: tl.constexpr):
-    """v[:, :N/2] + v[:, N/2:] for v [R, N]."""
-    return tl.sum(tl.reshape(v, (v.shape[0], 2, N // 2)), axis=1)
-
-
-@triton.jit
-def _pairwise_sum(v, N: tl.constexpr):
-    """`fixed_order_sum` of each row of v [R, N] (N a power of two <= 32, zeros past the
-    values) -> [R]."""
-    if N >= 32:
-        v = _halve(v, 32)
-    if N >= 16:
-        v = _halve(v, 16)
-    if N >= 8:
-        v = _halve(v, 8)
-    if N >= 4:
-        v = _halve(v, 4)
-    if N >= 2:
-        v = _halve(v, 2)
-    return tl.sum(v, axis=1)  # one element per row
-
-
-@triton.jit
-def _select_rows(
-    part_ptr, bias_ptr, ids_ptr, wts_ptr, rt, t_ok, scaling,
-    E_PAD: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    EG: tl.constexpr, EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr, NORM: tl.constexpr,
-):  # fmt: skip
-    """Tokens rt's [R] ids [TOPK] int64 and weights [TOPK] fp32 from their gate partials (the
-    module docstring's step 2), stored where t_ok [R]. Elementwise, or exact max reductions and
-    pairwise adds along each token's own row: a token's bits do not depend on R or its
-    neighbours."""
-    R: tl.constexpr = rt.shape[0]
-    N: tl.constexpr = G_PAD * EG_PAD  # key offsets: every expert index is < N
-    part = part_ptr + rt.to(tl.int64)[:, None] * (SPLIT * E_PAD)  # [R, 1]
-    rg = tl.arange(0, G_PAD)  # [GP]
-    rj = tl.arange(0, EG_PAD)  # [EGP]
-    idx = (rg[:, None] * EG + rj[None, :])[None, :, :]  # [1, GP, EGP] expert ids
-    ok = ((rg[:, None] < G) & (rj[None, :] < EG))[None, :, :]  # [1, GP, EGP]
-    score = _score(part[:, :, None], idx, t_ok[:, None, None] & ok, E_PAD, SPLIT)  # [R, GP, EGP]
-    biased = score + tl.load(bias_ptr + idx, mask=ok, other=0.0)
-    key = _key(tl.where(ok, biased, float("-inf")), idx, N)  # [R, GP, EGP]
-    gone = _ordered(tl.full((), float("-inf"), tl.float32)).to(tl.int64) << 32  # < every key
-    if TOPK_GROUP < G:
-        first = tl.max(key, axis=2)  # [R, GP] each group's best
-        second = tl.max(tl.where(key == first[:, :, None], gone, key), axis=2)  # [R, GP]
-        g_ok = (rg < G)[None, :]  # [1, GP]
-        group_score = tl.where(g_ok, _key_value(first) + _key_value(second), float("-inf"))
-        group_key = _key(group_score, rg[None, :], G_PAD)  # [R, GP]
-        keep = tl.zeros((R, G_PAD), dtype=tl.int1)  # [R, GP]
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(group_key, axis=1)[:, None]  # [R, 1]
-            keep = keep | (group_key == best)
-            group_key = tl.where(group_key == best, gone, group_key)
-        key = tl.where(keep[:, :, None], key, gone)
-    rk = tl.arange(0, TOPK_PAD)[None, :]  # [1, KP]
-    ids = tl.zeros((R, TOPK_PAD), dtype=tl.int32)  # [R, KP]
-    for i in tl.static_range(TOPK):
-        best = tl.max(tl.max(key, axis=2), axis=1)  # [R]
-        ids = tl.where(rk == i, _key_index(best, N)[:, None], ids)
-        key = tl.where(key == best[:, None, None], gone, key)
-    k_ok = rk < TOPK  # [1, KP]
-    w = tl.where(k_ok, _score(part, ids, t_ok[:, None] & k_ok, E_PAD, SPLIT), 0.0)  # [R, KP]
-    if NORM:
-        w = tl.div_rn(w, _pairwise_sum(w, TOPK_PAD)[:, None] + 1e-20)
-    out = rt.to(tl.int64)[:, None] * TOPK + rk  # [R, KP]
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=t_ok[:, None] & k_ok)
-    tl.store(wts_ptr + out, w * scaling, mask=t_ok[:, None] & k_ok)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _select_kernel(
-    part_ptr, bias_ptr, ids_ptr, wts_ptr, T, scaling,
-    E_PAD: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    EG: tl.constexpr, EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Token t's ids [TOPK] int64 and weights [TOPK] fp32 from its gate partials: the second
-    launch of `RouterConfig.fused=False`, one program per token."""
-    pdl_begin(PDL)
-    rt = tl.program_id(0) + tl.arange(0, 1)  # [1]
-    _select_rows(part_ptr, bias_ptr, ids_ptr, wts_ptr, rt, rt < T, scaling, E_PAD, SPLIT, G,
-                 G_PAD, EG, EG_PAD, TOPK_GROUP, TOPK, TOPK_PAD, NORM)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["T"])
 def _gate_partials_kernel(
-    x_ptr, w_ptr, part_ptr, bias_ptr, ids_ptr, wts_ptr, ticket_ptr, T, sx, sw, scaling,
+    x_ptr, w_ptr, part_ptr, T, sx, sw,
     E: tl.constexpr, D: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
     SPLIT: tl.constexpr, K_PER: tl.constexpr, MMA: tl.constexpr, BF16: tl.constexpr,
-    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr, FUSED: tl.constexpr,
-    SEL_T: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr,
-    EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    NORM: tl.constexpr,
+    PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
 ):  # fmt: skip
     """part[t, s, e] = sum over split s's K range of x[t, k] * w[e, k] (fp32; see the module
     docstring for the order; with MMA, one tensor-core product per BLOCK_K step added in K
     order: bf16 when x and w both are (BF16), else tf32x3). Program (expert block * SPLIT + s,
     token tile). PF_LINES > 0 (PDL launches): the first token tile's programs ask L2 for
-    their gate rows' K range (PF_LINES 128-byte lines of PF_STEP values) before the wait.
-    FUSED: the tile's last program to take a ticket (ticket[tile] counts arrivals; that
-    program resets it to 0) selects the experts of the tile's tokens, SEL_T at a time
-    (`_select_rows`); without FUSED, `_select_kernel` does that in a second launch."""
+    their gate rows' K range (PF_LINES 128-byte lines of PF_STEP values) before the wait."""
     pid = tl.program_id(0)
     eb, s = pid // SPLIT, pid % SPLIT
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -274,19 +130,110 @@ def _gate_partials_kernel(
         part = tl.sum(acc, axis=2)  # [BT, BE]
     out = part_ptr + rt.to(tl.int64)[:, None] * (SPLIT * E_PAD) + s * E_PAD + re[None, :]
     tl.store(out, part, mask=t_ok[:, None] & e_ok[None, :])
-    if FUSED:
-        tl.debug_barrier()  # every thread's partial stored before the ticket is taken
-        tile = tl.program_id(1)
-        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")  # arrivals before this
-        if ticket == tl.num_programs(0) - 1:  # the others have stored theirs
-            for i in range(0, BLOCK_T, SEL_T):  # the tile's tokens, SEL_T at a time
-                rs = tile * BLOCK_T + i + tl.arange(0, SEL_T)  # [SEL_T]
-                if tile * BLOCK_T + i < T:
-                    _select_rows(
-                        part_ptr, bias_ptr, ids_ptr, wts_ptr, rs, rs < T, scaling, E_PAD, SPLIT,
-                        G, G_PAD, EG, EG_PAD, TOPK_GROUP, TOPK, TOPK_PAD, NORM,
-                    )  # fmt: skip
-            tl.store(ticket_ptr + tile, 0)  # clean for the next launch (or graph replay)
+
+
+@triton.jit
+def _ordered(v):
+    """fp32 -> int32 with the same order (negative floats get their magnitude bits flipped)."""
+    i = v.to(tl.int32, bitcast=True)
+    return tl.where(i < 0, i ^ 0x7FFFFFFF, i)
+
+
+@triton.jit
+def _unordered(o):
+    """The inverse of `_ordered`."""
+    return tl.where(o < 0, o ^ 0x7FFFFFFF, o).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key(v, idx, N: tl.constexpr):
+    """An int64 whose max is the largest v, the lowest idx (< N) among equal v."""
+    return (_ordered(v).to(tl.int64) << 32) | (N - idx).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    return _unordered((key >> 32).to(tl.int32))
+
+
+@triton.jit
+def _key_index(key, N: tl.constexpr):
+    return N - (key - ((key >> 32) << 32)).to(tl.int32)  # the low 32 bits
+
+
+@triton.jit
+def _score(part_ptr, offs, mask, E_PAD: tl.constexpr, SPLIT: tl.constexpr):
+    """sigmoid(partials of splits 0, 1, ... added in order) at expert offsets `offs`."""
+    logit = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        logit += tl.load(part_ptr + s * E_PAD + offs, mask=mask, other=0.0)
+    return tl.div_rn(1.0, 1.0 + tl.exp(-logit))
+
+
+@triton.jit
+def _halve(v, N: tl.constexpr):
+    """v[:N/2] + v[N/2:] for v of N elements."""
+    return tl.sum(tl.reshape(v, (2, N // 2)), axis=0)
+
+
+@triton.jit
+def _pairwise_sum(v, N: tl.constexpr):
+    """`fixed_order_sum` of v (N a power of two <= 32, zeros past the values)."""
+    if N >= 32:
+        v = _halve(v, 32)
+    if N >= 16:
+        v = _halve(v, 16)
+    if N >= 8:
+        v = _halve(v, 8)
+    if N >= 4:
+        v = _halve(v, 4)
+    if N >= 2:
+        v = _halve(v, 2)
+    return tl.sum(v, axis=0)  # one element
+
+
+@triton.jit(do_not_specialize=["T"])
+def _select_kernel(
+    part_ptr, bias_ptr, ids_ptr, wts_ptr, T, scaling,
+    E_PAD: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    EG: tl.constexpr, EG_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Token t's ids [TOPK] int64 and weights [TOPK] fp32 from its gate partials."""
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    N: tl.constexpr = G_PAD * EG_PAD  # key offsets: every expert index is < N
+    part = part_ptr + t * (SPLIT * E_PAD)
+    rg = tl.arange(0, G_PAD)  # [GP]
+    rj = tl.arange(0, EG_PAD)  # [EGP]
+    idx = rg[:, None] * EG + rj[None, :]  # [GP, EGP] expert ids
+    ok = (rg[:, None] < G) & (rj[None, :] < EG)
+    biased = _score(part, idx, ok, E_PAD, SPLIT) + tl.load(bias_ptr + idx, mask=ok, other=0.0)
+    key = _key(tl.where(ok, biased, float("-inf")), idx, N)  # [GP, EGP]
+    gone = _ordered(tl.full((), float("-inf"), tl.float32)).to(tl.int64) << 32  # < every key
+    if TOPK_GROUP < G:
+        first = tl.max(key, axis=1)  # [GP] each group's best
+        second = tl.max(tl.where(key == first[:, None], gone, key), axis=1)  # [GP]
+        group_score = tl.where(rg < G, _key_value(first) + _key_value(second), float("-inf"))
+        group_key = _key(group_score, rg, G_PAD)  # [GP]
+        keep = rg < 0  # [GP] all False
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_key, axis=0)
+            keep = keep | (group_key == best)
+            group_key = tl.where(group_key == best, gone, group_key)
+        key = tl.where(keep[:, None], key, gone)
+    rk = tl.arange(0, TOPK_PAD)  # [KP]
+    ids = tl.zeros((TOPK_PAD,), dtype=tl.int32)  # [KP]
+    for i in tl.static_range(TOPK):
+        best = tl.max(tl.max(key, axis=1), axis=0)
+        ids = tl.where(rk == i, _key_index(best, N), ids)
+        key = tl.where(key == best, gone, key)
+    k_ok = rk < TOPK
+    w = tl.where(k_ok, _score(part, ids, k_ok, E_PAD, SPLIT), 0.0)  # [KP] unbiased scores
+    if NORM:
+        w = tl.div_rn(w, _pairwise_sum(w, TOPK_PAD) + 1e-20)
+    tl.store(ids_ptr + t * TOPK + rk, ids.to(tl.int64), mask=k_ok)
+    tl.store(wts_ptr + t * TOPK + rk, w * scaling, mask=k_ok)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: RoutingParams) -> None:
@@ -304,7 +251,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, p: Routing
 
 
 def _check_config(cfg: RouterConfig) -> None:
-    for n in (cfg.block_t, cfg.block_e, cfg.block_k, cfg.sel_elems):
+    for n in (cfg.block_t, cfg.block_e, cfg.block_k):
         assert n & (n - 1) == 0, cfg  # powers of two
     assert cfg.split >= 1 and cfg.unroll >= 1, cfg
     assert not cfg.mma or min(cfg.block_t, cfg.block_e, cfg.block_k) >= 16, cfg  # tl.dot
@@ -331,29 +278,26 @@ def route(
     e_pad = triton.cdiv(e, 16) * 16
     chunk = cfg.block_k * cfg.unroll
     k_per = triton.cdiv(triton.cdiv(d, cfg.split), chunk) * chunk
+    part = torch.empty(t, cfg.split, e_pad, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(e, cfg.block_e) * cfg.split, triton.cdiv(t, cfg.block_t))
-    part, tickets = scratch(x.device).take(t * cfg.split * e_pad, grid[1], x.device)
     launch = pdl.launch_options(x.device)
     pf_step = 128 // weight.element_size()  # gate values per 128-byte line
     pf_lines = 0  # at most GATE_PREFETCH_BYTES per program
     if launch["PDL"] and "router" in pdl.PREFETCH:
         cap = GATE_PREFETCH_BYTES // (128 * cfg.block_e)
         pf_lines = min(triton.next_power_of_2(triton.cdiv(k_per, pf_step)), cap)
-    eg = e // p.n_group
-    g_pad, eg_pad = triton.next_power_of_2(p.n_group), triton.next_power_of_2(eg)
-    select = dict(G=p.n_group, G_PAD=g_pad, EG=eg, EG_PAD=eg_pad, TOPK_GROUP=p.topk_group,
-                  TOPK=k, TOPK_PAD=triton.next_power_of_2(k), NORM=p.norm_topk_prob)  # fmt: skip
-    sel_t = min(max(cfg.sel_elems // (g_pad * eg_pad), 1), cfg.block_t)  # tokens per step
     _gate_partials_kernel[grid](
-        x, weight, part, bias, ids, wts, tickets, t, sx, weight.stride(0), float(p.scaling),
-        E=e, D=d, E_PAD=e_pad, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
-        UNROLL=cfg.unroll, SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
+        x, weight, part, t, sx, weight.stride(0), E=e, D=d, E_PAD=e_pad,
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
+        SPLIT=cfg.split, K_PER=k_per, MMA=cfg.mma,
         BF16=x.dtype == weight.dtype == torch.bfloat16, PF_LINES=pf_lines, PF_STEP=pf_step,
-        FUSED=cfg.fused, SEL_T=sel_t, **select, num_warps=cfg.warps, **launch,
+        num_warps=cfg.warps, **launch,
     )  # fmt: skip
-    if not cfg.fused:
-        _select_kernel[(t,)](
-            part, bias, ids, wts, t, float(p.scaling), E_PAD=e_pad, SPLIT=cfg.split, **select,
-            num_warps=1, **launch,
-        )  # fmt: skip
+    eg = e // p.n_group
+    _select_kernel[(t,)](
+        part, bias, ids, wts, t, float(p.scaling), E_PAD=e_pad, SPLIT=cfg.split, G=p.n_group,
+        G_PAD=triton.next_power_of_2(p.n_group), EG=eg, EG_PAD=triton.next_power_of_2(eg),
+        TOPK_GROUP=p.topk_group, TOPK=k, TOPK_PAD=triton.next_power_of_2(k),
+        NORM=p.norm_topk_prob, num_warps=1, **launch,
+    )  # fmt: skip
     return ids, wts

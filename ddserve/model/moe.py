@@ -44,9 +44,8 @@ class DenseMLP(nn.Module):
 
     `gate_proj.weight` and `up_proj.weight` [I_local, D] are views of one [2 * I_local, D]
     buffer, back to back (the loader copies into them in place), so on the CUDA batch-invariant
-    path gate and up are one matmul with silu(gate) * up in its epilogue (`backend.linear_silu`,
-    the bits of the matmul then the fused silu-mul). Elsewhere they run as two matmuls and
-    torch's silu and mul (the CPU reference).
+    path gate and up are one matmul followed by one fused silu-mul. Elsewhere they run as two
+    matmuls and torch's silu and mul (the CPU reference).
     """
 
     def __init__(self, hidden: int, inter: int, comm: Communicator, dtype, device, reduce=True):
@@ -76,8 +75,8 @@ class DenseMLP(nn.Module):
             merged = self.gate_up_weight()
         if merged is None:
             return F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I_local]
-        # one matmul with silu(gate) * up in its epilogue (bitwise the torch ops)
-        return backend.linear_silu(x, merged)  # [T, I_local]
+        # one matmul, then silu(gate) * up in one launch (bitwise the torch ops)
+        return backend.silu_mul(backend.linear(x, merged))  # [T, 2 I_local] -> [T, I_local]
 
 
 class Router(nn.Module):
