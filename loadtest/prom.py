@@ -3,7 +3,10 @@
 The speculative-decoding figure is the mean accepted (committed) tokens per stream per step over
 the run: delta `ddserve_committed_tokens_total` / delta `ddserve_stream_steps_total` (one stream
 taking part in one batched step counts once). Servers without the per-stream counter fall back to
-delta `ddserve_steps_total`.
+delta `ddserve_steps_total`. Where the server reports them, the router's mean time per batched step
+in its shard call (`ddserve_step_seconds`) and the part of it outside the shards' commands
+(`ddserve_control_seconds`: Ray and the router), in ms; with the run's duration over its steps
+they say how much of a served step is the engine's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ COUNTERS = {
     "generation_tokens": "ddserve_generation_tokens_total",
     "prompt_tokens": "ddserve_prompt_tokens_total",
     "requests": "ddserve_requests_total",
+    "step_seconds": "ddserve_step_seconds_sum",  # the router's time in its steps' shard calls
+    "control_seconds": "ddserve_control_seconds_sum",  # of which outside the shards' commands
 }
 
 
@@ -68,4 +73,10 @@ def server_delta(before: dict[str, float] | None, after: dict[str, float] | None
     delta["accepted_tokens_per_step"] = (
         committed / steps if steps and committed is not None else None
     )
+    batch_steps = delta.get("steps")
+    for key in ("step_seconds", "control_seconds"):  # per batched step, in ms
+        total = delta.get(key)
+        delta[f"{key[:-8]}_ms_per_step"] = (
+            1e3 * total / batch_steps if batch_steps and total is not None else None
+        )
     return delta

@@ -45,6 +45,10 @@ def format_summary(run: dict) -> str:
     server = run.get("server") or {}
     acc = server.get("accepted_tokens_per_step")
     lines.append(_row("Accepted tokens per step (server):", acc if acc is not None else "n/a"))
+    for key, label in (("step_ms_per_step", "Step shard call (ms, server):"),
+                       ("control_ms_per_step", "  of it outside the shards (ms):")):  # fmt: skip
+        if server.get(key) is not None:
+            lines.append(_row(label, server[key]))
     lines += _latency_block("Time to First Token", "ttft_ms", run)
     lines += _latency_block("Time per Output Token (excl. 1st)", "tpot_ms", run)
     lines += _latency_block("Inter-token Latency (per chunk)", "itl_ms", run)

@@ -86,6 +86,18 @@ def test_accepted_tokens_per_step_counts_stream_steps_when_the_server_has_them()
     assert server_delta(before, after)["accepted_tokens_per_step"] == pytest.approx(2.0)
 
 
+def test_step_and_control_time_are_per_batched_step_in_ms():
+    before = {"ddserve_steps_total": 5.0, "ddserve_stream_steps_total": 10.0,
+              "ddserve_step_seconds_sum": 1.0, "ddserve_control_seconds_sum": 0.25}  # fmt: skip
+    after = {"ddserve_steps_total": 25.0, "ddserve_stream_steps_total": 90.0,
+             "ddserve_step_seconds_sum": 1.1, "ddserve_control_seconds_sum": 0.27}  # fmt: skip
+    d = server_delta(before, after)
+    assert d["step_ms_per_step"] == pytest.approx(5.0)  # 0.1 s over 20 steps, not 80 stream steps
+    assert d["control_ms_per_step"] == pytest.approx(1.0)
+    older = {"ddserve_steps_total": 25.0}  # a server without the histograms
+    assert server_delta(older, older)["step_ms_per_step"] is None
+
+
 def test_random_prompts_respect_range_ratio_and_seed():
     per_word = TokenCounter(per_word=1.0, per_byte=0.0)  # one token per word: exact lengths
     ps = datasets.random_prompts(200, 40, 10, range_ratio=0.5, seed=3, counter=per_word)
