@@ -15,6 +15,8 @@
 #   profile     where one K2.6 rank forward's time goes, per category (profile_step.py)
 #   serve       `ddserve serve` on every GPU (needs Ray): streaming curl, load test, /metrics,
 #               clean shutdown; extra args go to `ddserve serve`
+#   serve-ab    DDTree against --no-speculative through HTTP (serve_ab.sh, needs Ray): the
+#               held-out headers at concurrencies $SWEEP; extra args go to both `ddserve serve`s
 #   pair        the embedded target + drafter: its GPU tests, then eval_pair.py
 #   step        one call after a step-kernel change: the PDL/router/fused/dense/engine/MoE GPU
 #               tests, then the forward profile under each variant in $VARIANTS (default:
@@ -29,7 +31,7 @@
 # Nsight Compute of the MoE is separate: bash bench/ncu_moe.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODES="tests exactness moe attention dense engine profile serve pair step drafter"
+MODES="tests exactness moe attention dense engine profile serve serve-ab pair step drafter"
 MODE=${1:-}
 if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
   sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -96,6 +98,10 @@ case "$MODE" in
   serve)
     if [ -z "${DRY:-}" ] && ! has_ray; then echo "serve: Ray is not importable" | tee -a "$LOG"; exit 2; fi
     step serve_check 300 bash bench/gpu_serve_check.sh "$@"
+    ;;
+  serve-ab)
+    if [ -z "${DRY:-}" ] && ! has_ray; then echo "serve-ab: Ray is not importable" | tee -a "$LOG"; exit 2; fi
+    step serve_ab 500 bash bench/serve_ab.sh "$@"
     ;;
   pair)
     step pytest_pair 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf \
