@@ -33,9 +33,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODES="tests exactness moe attention dense engine profile serve serve-ab pair step drafter"
 MODE=${1:-}
-if [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] || [[ " $MODES " != *" $MODE "* ]]; then
+help() { [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ]; }
+if help || [[ " $MODES " != *" $MODE "* ]]; then
   sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-  [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ] && exit 0
+  help && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
 shift
@@ -57,6 +58,10 @@ step() {
   [ $rc -eq 0 ] || { echo "[$name: exit $rc]" >>"$LOG"; status=1; }
 }
 has_ray() { python3 -c "import ray" 2>/dev/null; }
+# need_ray MODE: a mode that serves needs Ray (on the device machines: the device bundle)
+need_ray() {
+  [ -n "${DRY:-}" ] || has_ray || { echo "$1: Ray is not importable" | tee -a "$LOG"; exit 2; }
+}
 
 [ -n "${DRY:-}" ] || { date -u; nvidia-smi -L
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -96,17 +101,19 @@ case "$MODE" in
     step profile 400 python3 bench/profile_step.py --out "$OUT/profile.json" "$@"
     ;;
   serve)
-    if [ -z "${DRY:-}" ] && ! has_ray; then echo "serve: Ray is not importable" | tee -a "$LOG"; exit 2; fi
+    need_ray serve
     step serve_check 300 bash bench/gpu_serve_check.sh "$@"
     ;;
   serve-ab)
-    if [ -z "${DRY:-}" ] && ! has_ray; then echo "serve-ab: Ray is not importable" | tee -a "$LOG"; exit 2; fi
+    need_ray serve-ab
     step serve_ab 500 bash bench/serve_ab.sh "$@"
     ;;
   pair)
+    pair_tests="test_invariant_gpu or test_engine_gpu or test_warmup_gpu or test_ddtree_nosync"
     step pytest_pair 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "test_invariant_gpu or test_engine_gpu or test_warmup_gpu or test_ddtree_nosync or test_prefill_phase_gpu"
-    step eval_pair 380 python3 bench/eval_pair.py --max-minutes 5.5 --out "$OUT/eval_pair_h200.json" \
+      -k "$pair_tests or test_prefill_phase_gpu"
+    step eval_pair 380 python3 bench/eval_pair.py --max-minutes 5.5 \
+      --out "$OUT/eval_pair_h200.json" \
       --plot "$OUT/eval_pair_h200.png" "$@"
     ;;
   step)
