@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,35 +93,58 @@ def _translate(e: BaseException) -> BaseException:
 
 
 class RayEngineClient(EngineClient):
-    """`stats` raises EngineDead when the Router has died and TimeoutError when it does not
-    answer within CALL_TIMEOUT_S; `abort` never raises."""
+    """`generate` submits to the Router and reads the request's tokens from this client's one
+    subscription per event loop (`_Subscription`: a `Router.subscribe` stream whose items carry
+    every request's tokens of a step). `stats` raises EngineDead when the Router has died and
+    TimeoutError when it does not answer within CALL_TIMEOUT_S; `abort` never raises."""
 
     def __init__(self, router: Any) -> None:
         self.router = router
+        self._subs: dict[asyncio.AbstractEventLoop, _Subscription] = {}
+
+    def _subscription(self) -> _Subscription:
+        loop = asyncio.get_running_loop()
+        sub = self._subs.get(loop)
+        if sub is None or sub.closed:
+            for old in [lp for lp in self._subs if lp.is_closed()]:  # loops that have ended
+                del self._subs[old]
+            sub = self._subs[loop] = _Subscription(self.router)
+        return sub
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
-        gen = self.router.generate.options(num_returns="streaming").remote(
-            request_id, prompt_ids, params
-        )
+        sub = self._subscription()
+        queue = sub.register(request_id)
         finished = False
         try:
-            try:
-                yield await asyncio.wait_for(_next(gen), ACK_TIMEOUT_S)  # queued: the empty ack
+            try:  # queued: the empty ack
+                await asyncio.wait_for(
+                    self.router.submit.remote(request_id, prompt_ids, params, sub.id),
+                    ACK_TIMEOUT_S,
+                )
             except asyncio.TimeoutError:
                 raise EngineDead(f"the engine did not queue the request within "
                                  f"{ACK_TIMEOUT_S:g} s") from None  # fmt: skip
+            except (RayActorError, RayTaskError) as e:
+                raise _translate(e) from None
+            yield TokenDelta()
             while not finished:
-                delta = await _next(gen)
-                finished = delta.finish_reason is not None
-                yield delta
+                tokens, reason = [], None
+                item = await queue.get()
+                while True:  # coalesce what is already there
+                    if isinstance(item, BaseException):
+                        raise item
+                    tokens += item.token_ids
+                    reason = item.finish_reason
+                    if reason is not None or queue.empty():
+                        break
+                    item = queue.get_nowait()
+                finished = reason is not None
+                yield TokenDelta(tokens, reason)
         finally:
+            sub.unregister(request_id)
             if not finished:
-                try:
-                    ray.cancel(gen)
-                except Exception:  # noqa: BLE001 - best effort; abort() below is the real cancel
-                    pass
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -136,11 +160,49 @@ class RayEngineClient(EngineClient):
             raise _translate(e) from None
 
 
-async def _next(gen: Any) -> TokenDelta:
-    """The next delta of a streaming `Router.generate`, errors translated."""
-    try:
-        return await (await gen.__anext__())
-    except StopAsyncIteration:
-        raise EngineDead("the engine stream ended without a finish_reason") from None
-    except (RayActorError, RayTaskError) as e:
-        raise _translate(e) from None
+class _Subscription:
+    """One event loop's `Router.subscribe` stream: a task reads its items and puts each
+    request's into that request's queue. When the stream fails (the Router died) every
+    registered request gets the error, and the next `generate` opens a new subscription."""
+
+    def __init__(self, router: Any) -> None:
+        self.id = uuid.uuid4().hex
+        self.closed = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._gen = router.subscribe.options(num_returns="streaming").remote(self.id)
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        """The queue of this request's TokenDeltas (or its error), before it is submitted."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _read(self) -> None:
+        error: BaseException = EngineDead("the engine stream ended")
+        try:
+            async for ref in self._gen:
+                for rid, item in await ref:
+                    queue = self._queues.get(rid)
+                    if queue is not None:  # else: the request's reader has gone (aborted)
+                        queue.put_nowait(item)
+        except (RayActorError, RayTaskError) as e:
+            error = _translate(e)
+        except Exception as e:  # noqa: BLE001 - every request learns the stream is gone
+            log.exception("the engine stream failed")
+            error = EngineDead(f"the engine stream failed: {one_line(e)}")
+        except asyncio.CancelledError:  # the loop is ending
+            error = EngineDead("the engine stream was closed")
+            try:
+                ray.cancel(self._gen)
+            except Exception:  # noqa: BLE001 - best effort: the Router drops the stream's outbox
+                pass
+            raise
+        finally:
+            self.closed = True
+            for queue in self._queues.values():
+                queue.put_nowait(error)
