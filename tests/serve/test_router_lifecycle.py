@@ -125,3 +125,52 @@ def test_a_group_rebuilt_after_a_shard_is_killed_leaves_only_the_new_one(ray_one
 
     asyncio.run(main())
     assert _released()
+
+
+def test_a_killed_router_ends_every_stream_in_flight_with_engine_dead(ray_one_cpu, model_dir):
+    """kill -9 of the Router under two open streams (both read through the client's one
+    subscription): each ends with EngineDead within seconds, none hangs, and a new request on
+    the same client fails the same way at once."""
+    import ray
+
+    from ddserve.actors.client import EngineDead
+    from ddserve.actors.remote import start_router
+
+    engine = EngineConfig(num_slots=4096, budget=4, dtype="float32", max_streams=2,
+                          graph_buckets=(1, 2))  # fmt: skip
+    spec = ShardSpec(model_path=str(model_dir), world_size=1,
+                     drafter_path=str(model_dir / "drafter"), engine=engine)  # fmt: skip
+    cfg = RouterConfig(shard=spec, control="fanout", warmup=False)
+    group = asyncio.run(start_router(cfg))
+    params = SamplingParams(max_tokens=1500, ignore_eos=True)  # neither ends before the kill
+
+    async def read(rid: str, first: asyncio.Event) -> BaseException | None:
+        try:
+            async for d in group.client.generate(rid, [256, 65, 66], params):
+                if d.token_ids:
+                    first.set()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            return e
+        return None
+
+    async def main() -> tuple[list, float, BaseException | None]:
+        firsts = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.create_task(read(f"k{i}", ev)) for i, ev in enumerate(firsts)]
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), 60)
+        os.kill(await group.router.pid.remote(), signal.SIGKILL)
+        t0 = time.monotonic()
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        waited = time.monotonic() - t0
+        later = await read("after", asyncio.Event())
+        return errors, waited, later
+
+    try:
+        errors, waited, later = asyncio.run(main())
+        assert all(isinstance(e, EngineDead) for e in errors), errors
+        assert waited < 10, waited
+        assert isinstance(later, EngineDead), later
+    finally:
+        for actor in group.shards:
+            ray.kill(actor)
+        ray.util.remove_placement_group(group.pg)
+    assert _released()
