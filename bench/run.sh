@@ -33,10 +33,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODES="tests exactness moe attention dense engine profile serve serve-ab pair step drafter"
 MODE=${1:-}
-help() { [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ]; }
-if help || [[ " $MODES " != *" $MODE "* ]]; then
+is_help() { [ -z "$MODE" ] || [ "$MODE" = -h ] || [ "$MODE" = --help ]; }
+if is_help || [[ " $MODES " != *" $MODE "* ]]; then
   sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-  help && exit 0
+  is_help && exit 0
   echo "unknown mode: $MODE" >&2; exit 2
 fi
 shift

@@ -29,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +69,7 @@ async def router_level(ids: list[list[int]], device: str, warmup: int) -> dict:
     from ddserve.actors.remote import start_router
     from ddserve.serve.deployment import ServeConfig
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         cfg, _ = ServeConfig(tp=1, device=device).resolve()
@@ -82,6 +84,8 @@ async def router_level(ids: list[list[int]], device: str, warmup: int) -> dict:
                 async for delta in gen:
                     if delta.token_ids:
                         break
+                else:
+                    raise RuntimeError(f"request {i} ended without a token")
                 t_first = time.perf_counter()
                 await gen.aclose()
                 if i >= warmup:
@@ -107,22 +111,25 @@ def http_level(texts: list[str], device: str, warmup: int, start_s: float) -> di
     cmd = [sys.executable, "-m", "ddserve", "serve", "--tp", "1", "--device", device,
            "--port", str(port)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    log = open(os.devnull, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+    log_path = Path(tempfile.mkstemp(prefix="ttft_probe_serve_", suffix=".log")[1])
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_s
         with httpx.Client(timeout=60.0) as client:
             while True:  # /health answers 200 once the engine serves
                 if proc.poll() is not None:
-                    raise RuntimeError(f"ddserve serve exited with {proc.returncode}")
+                    raise RuntimeError(f"ddserve serve exited with {proc.returncode}: {log_path}")
                 try:
                     if client.get(url + "/health").status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"ddserve serve did not answer within {start_s:g} s")
+                    raise RuntimeError(
+                        f"ddserve serve did not answer within {start_s:g} s: {log_path}"
+                    )
                 time.sleep(0.5)
             times = []
             for i, text in enumerate([*texts[:warmup], *texts]):
@@ -132,8 +139,12 @@ def http_level(texts: list[str], device: str, warmup: int, start_s: float) -> di
                 with client.stream("POST", url + "/v1/completions", json=body) as resp:
                     resp.raise_for_status()
                     for line in resp.iter_lines():
+                        if line.startswith("data: {") and '"error"' in line:
+                            raise RuntimeError(f"request {i}: {line}")
                         if first is None and line.startswith("data: {"):
                             first = time.perf_counter()
+                if first is None:
+                    raise RuntimeError(f"request {i}: no token came back")
                 if i >= warmup:
                     times.append(first - t0)
     finally:

@@ -74,9 +74,8 @@ def server_delta(before: dict[str, float] | None, after: dict[str, float] | None
         committed / steps if steps and committed is not None else None
     )
     batch_steps = delta.get("steps")
-    for key in ("step_seconds", "control_seconds"):  # per batched step, in ms
-        total = delta.get(key)
-        delta[f"{key[:-8]}_ms_per_step"] = (
-            1e3 * total / batch_steps if batch_steps and total is not None else None
-        )
+    for key, out in (("step_seconds", "step_ms_per_step"),
+                     ("control_seconds", "control_ms_per_step")):  # fmt: skip
+        total = delta.get(key)  # per batched step, in ms
+        delta[out] = 1e3 * total / batch_steps if batch_steps and total is not None else None
     return delta
