@@ -117,12 +117,12 @@ class RayEngineClient(EngineClient):
         sub = self._subscription()
         queue = sub.register(request_id)
         finished = False
+        submit = None
         try:
             try:  # queued: the empty ack
-                await asyncio.wait_for(
-                    self.router.submit.remote(request_id, prompt_ids, params, sub.id),
-                    ACK_TIMEOUT_S,
-                )
+                submit = self.router.submit.remote(request_id, prompt_ids, params, sub.id)
+                await asyncio.wait_for(submit, ACK_TIMEOUT_S)
+                submit = None  # acknowledged: an abort now finds the request
             except asyncio.TimeoutError:
                 raise EngineDead(f"the engine did not queue the request within "
                                  f"{ACK_TIMEOUT_S:g} s") from None  # fmt: skip
@@ -144,6 +144,8 @@ class RayEngineClient(EngineClient):
                 yield TokenDelta(tokens, reason)
         finally:
             sub.unregister(request_id)
+            if submit is not None:  # not acknowledged (cancelled, timed out): it must not run,
+                _cancel(submit)  # as an abort could overtake it (a large prompt travels apart)
             if not finished:
                 await self.abort(request_id)
 
@@ -183,7 +185,7 @@ class _Subscription:
         self._queues.pop(request_id, None)
 
     async def _read(self) -> None:
-        error: BaseException = EngineDead("the engine stream ended")
+        error: EngineDead = EngineDead("the engine stream ended")
         try:
             async for ref in self._gen:
                 for rid, item in await ref:
@@ -191,18 +193,25 @@ class _Subscription:
                     if queue is not None:  # else: the request's reader has gone (aborted)
                         queue.put_nowait(item)
         except (RayActorError, RayTaskError) as e:
-            error = _translate(e)
+            translated = _translate(e)
+            if isinstance(translated, EngineDead):
+                error = translated
         except Exception as e:  # noqa: BLE001 - every request learns the stream is gone
             log.exception("the engine stream failed")
             error = EngineDead(f"the engine stream failed: {one_line(e)}")
         except asyncio.CancelledError:  # the loop is ending
             error = EngineDead("the engine stream was closed")
-            try:
-                ray.cancel(self._gen)
-            except Exception:  # noqa: BLE001 - best effort: the Router drops the stream's outbox
-                pass
             raise
         finally:
             self.closed = True
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+            _cancel(self._gen)  # the Router's side ends too (and aborts what it still holds)
+            for queue in self._queues.values():  # each its own: a raise grows its traceback
+                queue.put_nowait(EngineDead(str(error), error.retry_after))
+
+
+def _cancel(ref: Any) -> None:
+    """Best effort: a call that has not run will not; a running streaming call is closed."""
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - already finished, or the actor is gone
+        pass

@@ -134,6 +134,7 @@ class Router:
         self._group = None
         self._warmup_shapes = 0
         self._outboxes: dict[str, _Outbox] = {}  # subscriber id -> outbox (event loop only)
+        self._gone: set[str] = set()  # subscribers whose stream has ended
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -226,8 +227,9 @@ class Router:
         `submit`ted with this subscriber id, in order; each list holds what arrived since the
         last (a step's tokens for every stream, or several steps' when the caller is slower).
         A request's last item carries finish_reason or is an error. Runs until the caller
-        closes it."""
-        box = self._outboxes.setdefault(subscriber, _Outbox())
+        closes it; then its requests still held are aborted, and a later `submit` for it
+        raises EngineDead."""
+        box = self._outbox(subscriber)
         try:
             while True:
                 await box.ready.wait()
@@ -235,7 +237,20 @@ class Router:
                 items, box.items = box.items, []
                 yield items
         finally:
+            self._gone.add(subscriber)
             self._outboxes.pop(subscriber, None)
+            with self._s.lock:
+                sched = self._s.sched
+                for req in [*sched.active.values(), *sched.waiting]:
+                    if req.sink == subscriber:
+                        sched.abort(req.sid)
+            self._s.wake.set()
+
+    def _outbox(self, subscriber: str) -> _Outbox:
+        box = self._outboxes.get(subscriber)
+        if box is None:
+            box = self._outboxes[subscriber] = _Outbox()
+        return box
 
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, subscriber: str
@@ -243,13 +258,15 @@ class Router:
         """Queue a request whose tokens go to `subscriber`'s stream. Returns once queued (the
         admission ack); raises EngineDead or QueueFull instead."""
         req = Request(request_id, list(prompt_ids), params, sink=subscriber)
+        if subscriber in self._gone:  # its stream has ended: nobody would read the tokens
+            raise EngineDead("the request's token stream has closed")
         with self._s.lock:
             if self._error:
                 raise EngineDead(self._error)
             held = self._s.sched.held
             if held >= self.cfg.max_streams + self.cfg.max_queue:
                 raise QueueFull(f"the server is at capacity ({held} requests in progress)", 1.0)
-            self._outboxes.setdefault(subscriber, _Outbox())  # before its stream may start
+            self._outbox(subscriber)  # before its stream may start
             self._s.sched.add(req)
         self._s.wake.set()
 
@@ -324,7 +341,7 @@ class Router:
             self._loop.call_soon_threadsafe(self._post, batch)
 
     def _post(self, batch: list[tuple[str, str, TokenDelta | Exception]]) -> None:
-        for subscriber, rid, item in batch:  # a subscriber that left: its requests are aborted
+        for subscriber, rid, item in batch:  # a subscriber that left: its requests were aborted
             box = self._outboxes.get(subscriber)
             if box is not None:
                 box.items.append((rid, item))

@@ -28,7 +28,7 @@ from ddserve.sampling import SamplingParams
 @dataclass
 class Request:
     """One request the scheduler holds. `sink`: where its caller delivers its tokens (the
-    Router's asyncio queue; unused offline)."""
+    Router: its subscriber's id; offline: the GenerationOutput)."""
 
     sid: Hashable
     prompt: list[int]

@@ -174,3 +174,46 @@ def test_a_killed_router_ends_every_stream_in_flight_with_engine_dead(ray_one_cp
             ray.kill(actor)
         ray.util.remove_placement_group(group.pg)
     assert _released()
+
+
+def test_a_closed_subscription_aborts_its_requests_and_refuses_new_ones(ray_one_cpu, model_dir):
+    """At the Router's own API: a subscriber that closes its stream mid-request (no abort sent)
+    frees the request's stream and KV slots, and a later submit for it raises EngineDead."""
+    import ray
+
+    from ddserve.actors.client import EngineDead
+    from ddserve.actors.remote import start_router
+
+    engine = EngineConfig(num_slots=4096, budget=4, dtype="float32", max_streams=2,
+                          graph_buckets=(1, 2))  # fmt: skip
+    spec = ShardSpec(model_path=str(model_dir), world_size=1,
+                     drafter_path=str(model_dir / "drafter"), engine=engine)  # fmt: skip
+    group = asyncio.run(start_router(RouterConfig(shard=spec, control="fanout", warmup=False)))
+    router, params = group.router, SamplingParams(max_tokens=1500, ignore_eos=True)
+
+    async def main() -> tuple[dict, dict, BaseException | None]:
+        gen = router.subscribe.options(num_returns="streaming").remote("s1")
+        await router.submit.remote("r1", [256, 65, 66], params, "s1")
+        items = await (await gen.__anext__())  # the first step's tokens
+        assert [rid for rid, _ in items] == ["r1"]
+        during = await router.stats.remote()
+        ray.cancel(gen)  # the subscriber leaves without aborting r1
+        for _ in range(100):
+            after = await router.stats.remote()
+            if after["active_streams"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        try:
+            await router.submit.remote("r2", [256, 65], params, "s1")
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            return during, after, e
+        return during, after, None
+
+    try:
+        during, after, refused = asyncio.run(main())
+        assert during["active_streams"] == 1
+        assert after["active_streams"] == 0 and after["kv_slots_used"] == 0, after
+        assert refused is not None and isinstance(refused.cause, EngineDead), refused
+    finally:
+        asyncio.run(group.release())
+    assert _released()
