@@ -50,8 +50,9 @@ def median_ms(xs: list[float]) -> float:
     return round(1e3 * statistics.median(xs), 2)
 
 
-def engine_level(texts: list[str], device: str, warmup: int) -> dict:
-    with LLM(device=device) as llm:
+def engine_level(texts: list[str], device: str, warmup: int, model: str | None) -> dict:
+    drafter = str(Path(model) / "drafter") if model else None  # the embedded pair's: its own
+    with LLM(model, drafter=drafter, device=device) as llm:
         ids = [llm.encode(t) for t in texts]
         for p in ids[:warmup]:
             llm.generate(p, ONE)
@@ -63,7 +64,7 @@ def engine_level(texts: list[str], device: str, warmup: int) -> dict:
     return {"first_token_ms": median_ms(times), "n": len(times), "ids": ids}
 
 
-async def router_level(ids: list[list[int]], device: str, warmup: int) -> dict:
+async def router_level(ids: list[list[int]], device: str, warmup: int, model: str | None) -> dict:
     import ray
 
     from ddserve.actors.remote import start_router
@@ -72,7 +73,7 @@ async def router_level(ids: list[list[int]], device: str, warmup: int) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
-        cfg, _ = ServeConfig(tp=1, device=device).resolve()
+        cfg, _ = ServeConfig(tp=1, device=device, model=model).resolve()
         group = await start_router(cfg)
         try:
             acks, firsts = [], []
@@ -104,12 +105,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_level(texts: list[str], device: str, warmup: int, start_s: float) -> dict:
+def http_level(
+    texts: list[str], device: str, warmup: int, start_s: float, model: str | None
+) -> dict:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "ddserve", "serve", "--tp", "1", "--device", device,
-           "--port", str(port)]  # fmt: skip
+           "--port", str(port), *(["--model", model] if model else [])]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
     log_path = Path(tempfile.mkstemp(prefix="ttft_probe_serve_", suffix=".log")[1])
     log = open(log_path, "w")  # noqa: SIM115 - closed below
@@ -160,6 +163,7 @@ def http_level(texts: list[str], device: str, warmup: int, start_s: float) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if _cuda() else "cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", help="checkpoint dir with a drafter/ (default: the embedded pair)")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts timed per level")
     ap.add_argument("--warmup", type=int, default=3, help="untimed requests first, per level")
     ap.add_argument("--levels", default="engine,router,http", help="comma list of the levels")
@@ -170,19 +174,20 @@ def main() -> None:
     if not levels or set(levels) - {"engine", "router", "http"}:
         ap.error(f"--levels: a comma list of engine, router, http, not {args.levels!r}")
     texts = prompts(args.prompts)
-    res: dict = {"device": args.device, "prompts": len(texts), "warmup": args.warmup}
-    eng = engine_level(texts, args.device, args.warmup)  # also the prompts' token ids
+    res: dict = {"device": args.device, "model": args.model or "embedded",
+                 "prompts": len(texts), "warmup": args.warmup}  # fmt: skip
+    eng = engine_level(texts, args.device, args.warmup, args.model)  # also the prompts' token ids
     ids = eng.pop("ids")
     res["prompt_tokens_median"] = statistics.median(len(p) for p in ids)
     if "engine" in levels:
         res["engine"] = eng
         print(f"engine: first token {eng['first_token_ms']} ms", flush=True)
     if "router" in levels:
-        res["router"] = asyncio.run(router_level(ids, args.device, args.warmup))
+        res["router"] = asyncio.run(router_level(ids, args.device, args.warmup, args.model))
         r = res["router"]
         print(f"router: ack {r['ack_ms']} ms, first token {r['first_token_ms']} ms", flush=True)
     if "http" in levels:
-        res["http"] = http_level(texts, args.device, args.warmup, args.start_timeout)
+        res["http"] = http_level(texts, args.device, args.warmup, args.start_timeout, args.model)
         print(f"http: first token {res['http']['first_token_ms']} ms", flush=True)
     order = [lv for lv in ("engine", "router", "http") if lv in res]
     for below, above in itertools.pairwise(order):
