@@ -5,6 +5,7 @@ runs on), `abort`, `stats`. A caller (a Serve replica) holds one `subscribe` str
 step's tokens for all of its requests come through it as one item: one Ray yield per step
 whatever the stream count, where one streaming call per request cost a yield per request per
 step (~0.13 ms of this actor's CPU each, `bench/ray_stream_cost.py`).
+
 Up to `max_streams` requests run at once and up to `max_queue` more wait: a request is refused
 with QueueFull (the HTTP layer answers 429) only when `max_streams + max_queue` are held, counting
 the streams decoding and the requests waiting (a waiting request moves into a free stream slot at
@@ -17,11 +18,10 @@ A dedicated thread runs the step loop: each iteration the Scheduler plans one Co
 goes to every shard (cancel aborted streams, admit queued ones, one prefill chunk, one decode
 step over the prefilled streams); the Scheduler takes rank 0's result, and the step's new tokens
 go, in one hand-off to the actor's event loop, to the outbox of each request's subscriber; idle,
-it sends an empty
-command every HEARTBEAT_S, so a dead shard is found without traffic. A failing shard marks the
-router dead: in-flight and queued requests fail with EngineDead at once, and so does every later
-request; `wait_failed` returns then (the replica's supervisor waits on it to rebuild the
-tensor-parallel group, supervisor.py).
+it sends an empty command every HEARTBEAT_S, so a dead shard is found without traffic. A failing
+shard marks the router dead: in-flight and queued requests fail with EngineDead at once, and so
+does every later request; `wait_failed` returns then (the replica's supervisor waits on it to
+rebuild the tensor-parallel group, supervisor.py).
 """
 
 from __future__ import annotations
