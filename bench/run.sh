@@ -40,7 +40,7 @@ if is_help || [[ " $MODES " != *" $MODE "* ]]; then
   echo "unknown mode: $MODE" >&2; exit 2
 fi
 shift
-OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(realpath "$OUT")
+OUT=${OUT:-results}; [ -n "${DRY:-}" ] || mkdir -p "$OUT"; OUT=$(realpath -m "$OUT")
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
@@ -50,8 +50,8 @@ status=0
 # step NAME SECONDS CMD...: run CMD under a time limit, full output in $OUT/NAME.log, tail in $LOG
 step() {
   local name=$1 limit=$2; shift 2
-  echo "\$ $*" >>"$LOG"
   if [ -n "${DRY:-}" ]; then echo "$*"; return 0; fi
+  echo "\$ $*" >>"$LOG"
   timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   tail -30 "$OUT/$name.log" >>"$LOG"
