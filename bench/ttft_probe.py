@@ -25,16 +25,16 @@ import asyncio
 import itertools
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from serve_proc import ddserve_env, start_server  # noqa: E402
 
 from ddserve import LLM, SamplingParams  # noqa: E402
 
@@ -99,47 +99,21 @@ async def router_level(ids: list[list[int]], device: str, warmup: int, model: st
     return {"ack_ms": median_ms(acks), "first_token_ms": median_ms(firsts), "n": len(firsts)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_level(
     texts: list[str], device: str, warmup: int, start_s: float, model: str | None
 ) -> dict:
     import httpx
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "ddserve", "serve", "--tp", "1", "--device", device,
-           "--port", str(port), *(["--model", model] if model else [])]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    log_path = Path(tempfile.mkstemp(prefix="ttft_probe_serve_", suffix=".log")[1])
-    log = open(log_path, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    extra = ["--tp", "1", "--device", device, *(["--model", model] if model else [])]
+    server = start_server(extra, env=ddserve_env(RAY_AUTH_MODE="disabled"), startup_s=start_s)
     try:
-        deadline = time.monotonic() + start_s
         with httpx.Client(timeout=60.0) as client:
-            while True:  # /health answers 200 once the engine serves
-                if proc.poll() is not None:
-                    raise RuntimeError(f"ddserve serve exited with {proc.returncode}: {log_path}")
-                try:
-                    if client.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"ddserve serve did not answer within {start_s:g} s: {log_path}"
-                    )
-                time.sleep(0.5)
             times = []
             for i, text in enumerate([*texts[:warmup], *texts]):
                 body = {"prompt": text, "max_tokens": 1, "temperature": 0, "stream": True}
                 t0 = time.perf_counter()
                 first = None
-                with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                with client.stream("POST", server.url + "/v1/completions", json=body) as resp:
                     resp.raise_for_status()
                     for line in resp.iter_lines():
                         if line.startswith("data: {") and '"error"' in line:
@@ -151,12 +125,7 @@ def http_level(
                 if i >= warmup:
                     times.append(first - t0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
     return {"first_token_ms": median_ms(times), "n": len(times)}
 
 

@@ -39,8 +39,8 @@ def model_dir(tiny_int4_model_dir):
     return tiny_int4_model_dir  # a random make-tiny model (8 heads): fast, and any weights do
 
 
-def _config(model_dir, tp: int, **kw) -> RouterConfig:
-    engine = EngineConfig(num_slots=256, budget=4, dtype="float32", max_streams=2,
+def _config(model_dir, tp: int, num_slots: int = 256, **kw) -> RouterConfig:
+    engine = EngineConfig(num_slots=num_slots, budget=4, dtype="float32", max_streams=2,
                           graph_buckets=(1, 2))  # fmt: skip
     spec = ShardSpec(model_path=str(model_dir), world_size=tp,
                      drafter_path=str(model_dir / "drafter"), engine=engine)  # fmt: skip
@@ -136,12 +136,7 @@ def test_a_killed_router_ends_every_stream_in_flight_with_engine_dead(ray_one_cp
     from ddserve.actors.client import EngineDead
     from ddserve.actors.remote import start_router
 
-    engine = EngineConfig(num_slots=4096, budget=4, dtype="float32", max_streams=2,
-                          graph_buckets=(1, 2))  # fmt: skip
-    spec = ShardSpec(model_path=str(model_dir), world_size=1,
-                     drafter_path=str(model_dir / "drafter"), engine=engine)  # fmt: skip
-    cfg = RouterConfig(shard=spec, control="fanout", warmup=False)
-    group = asyncio.run(start_router(cfg))
+    group = asyncio.run(start_router(_config(model_dir, tp=1, num_slots=4096, warmup=False)))
     params = SamplingParams(max_tokens=1500, ignore_eos=True)  # neither ends before the kill
 
     async def read(rid: str, first: asyncio.Event) -> BaseException | None:
@@ -184,11 +179,7 @@ def test_a_closed_subscription_aborts_its_requests_and_refuses_new_ones(ray_one_
     from ddserve.actors.client import EngineDead
     from ddserve.actors.remote import start_router
 
-    engine = EngineConfig(num_slots=4096, budget=4, dtype="float32", max_streams=2,
-                          graph_buckets=(1, 2))  # fmt: skip
-    spec = ShardSpec(model_path=str(model_dir), world_size=1,
-                     drafter_path=str(model_dir / "drafter"), engine=engine)  # fmt: skip
-    group = asyncio.run(start_router(RouterConfig(shard=spec, control="fanout", warmup=False)))
+    group = asyncio.run(start_router(_config(model_dir, tp=1, num_slots=4096, warmup=False)))
     router, params = group.router, SamplingParams(max_tokens=1500, ignore_eos=True)
 
     async def main() -> tuple[dict, dict, BaseException | None]:
