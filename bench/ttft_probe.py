@@ -14,6 +14,9 @@ a time) go through three levels, each timed from the caller's side:
 - http: `ddserve serve` on the same device (a subprocess on a free port), a streaming
   /v1/completions request per prompt (httpx): adds Ray Serve's proxy and replica, tokenization
   and detokenization, SSE.
+On CUDA the engine level also profiles one request (after its timing): the number of GPU kernels
+it launched and their summed time against its wall time; far less kernel time than wall time
+means the eager prefill is bound by launching its kernels.
 Each level runs --warmup requests first. Medians in ms, and each level's excess over the one
 below it, are printed and written to --out.
 """
@@ -61,7 +64,28 @@ def engine_level(texts: list[str], device: str, warmup: int, model: str | None) 
             t0 = time.perf_counter()
             llm.generate(p, ONE)
             times.append(time.perf_counter() - t0)
-    return {"first_token_ms": median_ms(times), "n": len(times), "ids": ids}
+        res = {"first_token_ms": median_ms(times), "n": len(times), "ids": ids}
+        if device == "cuda":  # after the timing: a profiler session slows later launches
+            res["kernels"] = kernel_time(llm, ids[len(ids) // 2])
+    return res
+
+
+def kernel_time(llm: LLM, prompt: list[int]) -> dict:
+    """One request under the torch profiler: its GPU kernels' count and summed duration against
+    its wall time, to tell a launch-bound (eager) prefill from a compute-bound one."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompt, ONE)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3  # us -> ms
+    return {"prompt_tokens": len(prompt), "kernels": len(kernels),
+            "kernel_ms": round(busy, 2), "wall_ms_profiled": round(1e3 * wall, 2)}  # fmt: skip
 
 
 async def router_level(ids: list[list[int]], device: str, warmup: int, model: str | None) -> dict:
@@ -151,6 +175,8 @@ def main() -> None:
     if "engine" in levels:
         res["engine"] = eng
         print(f"engine: first token {eng['first_token_ms']} ms", flush=True)
+        if "kernels" in eng:
+            print(f"engine, one request profiled: {eng['kernels']}", flush=True)
     if "router" in levels:
         res["router"] = asyncio.run(router_level(ids, args.device, args.warmup, args.model))
         r = res["router"]

@@ -111,6 +111,10 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run every step shape once (compile kernels, capture CUDA graphs) before "
                    "serving (default: on)")  # fmt: skip
+    p.add_argument("--pipeline", type=int, default=None, metavar="N",
+                   help="steps in flight from the router to the shards: 2 sends the next step "
+                   "while the shards run this one, hiding the Ray round trip; 1 waits for each "
+                   "step's result (default 2)")  # fmt: skip
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (default: start a private local Ray, stopped with "
                    "the server)")  # fmt: skip

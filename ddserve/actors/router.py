@@ -17,7 +17,11 @@ finish handling and the decode step's tree budget (`BudgetPolicy`: fixed per buc
 A dedicated thread runs the step loop: each iteration the Scheduler plans one Command, which
 goes to every shard (cancel aborted streams, admit queued ones, one prefill chunk, one decode
 step over the prefilled streams); the Scheduler takes rank 0's result, and the step's new tokens
-go, in one hand-off to the actor's event loop, to the outbox of each request's subscriber; idle,
+go, in one hand-off to the actor's event loop, to the outbox of each request's subscriber. Up to
+`pipeline` Commands are in flight (default 2): the next one is planned and sent while the shards
+run the current one, which hides the Ray round trip and the loop's own work behind the step at
+the cost of a wasted batch row, for one step, per finished stream and of one step more before a
+new request's prefill; idle,
 it sends an empty command every HEARTBEAT_S, so a dead shard is found without traffic. A failing
 shard marks the router dead: in-flight and queued requests fail with EngineDead at once, and so
 does every later request; `wait_failed` returns then (the replica's supervisor waits on it to
@@ -30,6 +34,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +68,7 @@ class RouterConfig:
     budgets: tuple[int, ...] | None = None
     budget_candidates: tuple[int, ...] | None = None
     control: str = "compiled"  # or "fanout"; see shard_group.py
+    pipeline: int = 2  # Commands in flight to the shards (1: send the next after each result)
     shard_cpus: float = 0.1
     step_timeout_s: float = 300.0
     placement_timeout_s: float = 600.0  # waiting for the shards' resources (autoscaling counts)
@@ -72,6 +78,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 1:  # every request waits in the queue before it is admitted
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.pipeline < 1:
+            raise ValueError(f"pipeline must be >= 1, got {self.pipeline}")
         engine = self.shard.engine
         check_batching(
             buckets=engine.graph_buckets, budget=engine.budget, num_slots=engine.num_slots,
@@ -168,10 +176,15 @@ class Router:
         t3 = time.perf_counter()
         log.info("router: shard processes up %.1f s, communicator and weights %.1f s, "
                  "control and warm-up %.1f s", t1 - t0, t2 - t1, t3 - t2)  # fmt: skip
+        self._begin_steps()
+        return self.info
+
+    def _begin_steps(self) -> None:
+        """Start the step loop's thread over `self._group` (from the actor's event loop)."""
         self._loop = asyncio.get_running_loop()
         self._failed = asyncio.Event()
-        threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True).start()
-        return self.info
+        self._thread = threading.Thread(target=self._step_loop, name="ddserve-step", daemon=True)
+        self._thread.start()
 
     def _place_shards(self) -> list:
         import ray
@@ -293,20 +306,35 @@ class Router:
 
     # ---- step loop (its own thread) --------------------------------------------------------
     def _step_loop(self) -> None:
+        # Up to cfg.pipeline Commands are in flight: the next is planned and sent while the
+        # shards run the current one, so the Ray round trip and this loop's own work overlap
+        # the shards' (a Command planned before the previous result is in names a stream that
+        # finished there; the shards skip it, `apply_command`). A Command's wall time is from
+        # when the shards could start it (it was sent, and the previous result was in) to its
+        # result: back to back, the interval between results.
+        inflight: deque[tuple[Command, object, float]] = deque()
+        last = time.perf_counter()
         while not self._stopping:
-            cmd = self._next_command()
-            if cmd is None:
-                if self._s.wake.wait(timeout=HEARTBEAT_S):
-                    self._s.wake.clear()
-                    continue
-                cmd = Command()  # idle: an empty command finds a dead shard before a request does
-            t0 = time.perf_counter()
             try:
-                res = self._group.run(cmd)
+                while len(inflight) < self.cfg.pipeline:
+                    cmd = self._next_command()
+                    if cmd is None:
+                        break
+                    inflight.append((cmd, self._group.submit(cmd), time.perf_counter()))
+                if not inflight:
+                    if self._s.wake.wait(timeout=HEARTBEAT_S):
+                        self._s.wake.clear()
+                        continue
+                    # idle: an empty command finds a dead shard before a request does
+                    inflight.append((Command(), self._group.submit(Command()), time.perf_counter()))
+                cmd, handle, sent = inflight.popleft()
+                res = self._group.result(handle)
             except Exception as e:  # noqa: BLE001 - any shard failure is fatal to the replica
                 self._fail(e)
                 return
-            self._apply(cmd, res, time.perf_counter() - t0)
+            now = time.perf_counter()
+            self._apply(cmd, res, now - max(sent, last))
+            last = now
 
     def _next_command(self) -> Command | None:
         with self._s.lock:

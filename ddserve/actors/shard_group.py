@@ -2,10 +2,12 @@
 
 Both send the same Command to all ranks in parallel and return rank 0's CommandResult; both
 raise at once if any shard dies (the other ranks may be stuck in a collective, so nobody waits
-for them). Measured on the shared 2-core CI box with 2 CPU shards: with a trivial `execute`,
-fan-out ~2 ms per round trip and compiled graph ~0.6 ms (from the Router's step thread); with
-the tiny model (tp=2 gloo, steps of 30-60 ms) the time outside the shards was 3.6-4.6 ms per
-step fanned out and 2.5-3.3 ms compiled. The compiled graph is the default.
+for them). `submit` sends a Command without waiting and `result` waits for its result, so the
+Router can send the next Command while the shards run this one (results come back in order,
+since every shard applies its Commands in order). Measured on the shared 2-core CI box with 2
+CPU shards: with a trivial `execute`, fan-out ~2 ms per round trip and compiled graph ~0.6 ms
+(from the Router's step thread); with the tiny model (tp=2 gloo, steps of 30-60 ms) the time
+outside the shards was 3.6-4.6 ms per step fanned out and 2.5-3.3 ms compiled. The compiled graph is the default.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ class ShardGroup:
         self.shards, self.timeout_s = shards, timeout_s
 
     def run(self, cmd: Command) -> CommandResult:
+        return self.result(self.submit(cmd))
+
+    def submit(self, cmd: Command) -> Any:
+        """Send `cmd` to every shard; returns the handle `result` takes."""
+        raise NotImplementedError
+
+    def result(self, handle: Any) -> CommandResult:
+        """Rank 0's result of a submitted Command (every rank's result is read)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -32,8 +42,11 @@ class ShardGroup:
 class FanOutGroup(ShardGroup):
     """One `execute.remote` per shard per step; ray.get raises on the first failed shard."""
 
-    def run(self, cmd: Command) -> CommandResult:
-        return ray.get([s.execute.remote(cmd) for s in self.shards], timeout=self.timeout_s)[0]
+    def submit(self, cmd: Command) -> list:
+        return [s.execute.remote(cmd) for s in self.shards]
+
+    def result(self, handle: list) -> CommandResult:
+        return ray.get(handle, timeout=self.timeout_s)[0]
 
 
 class CompiledGroup(ShardGroup):
@@ -48,9 +61,12 @@ class CompiledGroup(ShardGroup):
             dag = MultiOutputNode([s.execute.bind(inp) for s in shards])
         self._dag = dag.experimental_compile(_submit_timeout=timeout_s)
 
-    def run(self, cmd: Command) -> CommandResult:
+    def submit(self, cmd: Command) -> list:
+        return self._dag.execute(cmd)
+
+    def result(self, handle: list) -> CommandResult:
         # Every output is read (rank > 0 send None) so the channels are free for the next step.
-        return [ref.get(timeout=self.timeout_s) for ref in self._dag.execute(cmd)][0]
+        return [ref.get(timeout=self.timeout_s) for ref in handle][0]
 
     def close(self) -> None:
         # Teardown waits for every worker loop; a rank stuck in a collective makes that slow,

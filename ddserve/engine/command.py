@@ -54,9 +54,10 @@ class CommandResult:
 
 
 def apply_command(runner: ModelRunner, cmd: Command) -> CommandResult:
-    """Apply `cmd` to this rank's runner. A stream that does not fit in the KV slots left is
-    deferred, with every later one in `add` (arrival order is kept); one that does not fit in an
-    empty engine, or that the runner refuses (ValueError), is rejected."""
+    """Apply `cmd` to this rank's runner. `cmd.step` streams the runner no longer holds are
+    skipped (they finished in an earlier Command). A stream that does not fit in the KV slots
+    left is deferred, with every later one in `add` (arrival order is kept); one that does not
+    fit in an empty engine, or that the runner refuses (ValueError), is rejected."""
     t0 = time.perf_counter()
     res = CommandResult()
     for sid in cmd.cancel:
@@ -75,12 +76,15 @@ def apply_command(runner: ModelRunner, cmd: Command) -> CommandResult:
             res.rejected[sid] = str(e)
     if cmd.prefill:
         res.outputs.update(runner.prefill(max_chunks=cmd.prefill_chunks))
-    if cmd.step:
+    # a stream that finished (and left the runner) in a Command planned before this one's
+    # planner saw that result (the Router keeps two in flight) is skipped
+    step = [sid for sid in cmd.step if sid in runner.streams]
+    if step:
         t1 = time.perf_counter()
         if cmd.speculative:
-            res.outputs.update(runner.ddtree_step(list(cmd.step), cmd.budget))  # 0: plain step
+            res.outputs.update(runner.ddtree_step(step, cmd.budget))  # 0: plain step
         else:
-            res.outputs.update(runner.ar_step(list(cmd.step)))
+            res.outputs.update(runner.ar_step(step))
         res.step_s = time.perf_counter() - t1
     res.kv_slots_used = runner.cfg.num_slots - runner.free_slots
     res.busy_s = time.perf_counter() - t0

@@ -181,7 +181,9 @@ class Scheduler:
         back = [r for sid in res.deferred if (r := self.active.pop(sid, None)) is not None]
         self.waiting.extendleft(reversed(back))
         report.deferred = len(res.deferred)
-        stepped = [self.active[sid] for sid in cmd.step if sid in self.active]
+        # the streams the step ran: a stream that finished in a result this Command was planned
+        # before has no output (the executor skipped it)
+        stepped = [self.active[s] for s in cmd.step if s in self.active and s in res.outputs]
         for sid, out in res.outputs.items():
             req = self.active.get(sid)
             if req is None:
@@ -190,9 +192,9 @@ class Scheduler:
             report.outputs.append((req, out))
             if out.finished:
                 del self.active[sid]
-        if cmd.step:
-            report.step_streams = len(cmd.step)
-            report.committed = sum(len(res.outputs[s].tokens) for s in cmd.step if s in res.outputs)
+        if stepped:
+            report.step_streams = len(stepped)
+            report.committed = sum(len(res.outputs[r.sid].tokens) for r in stepped)
             self.policy.record(stepped, cmd, res)
         return report
 

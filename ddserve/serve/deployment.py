@@ -70,6 +70,9 @@ class ServeConfig(BaseModel):
     # unseeded sampling differs across restarts and replicas (every rank gets the same value)
     seed: int | None = None
     control: Literal["compiled", "fanout"] = _default(RouterConfig, "control")
+    # Commands in flight from the router to the shards: 2 plans and sends the next step while
+    # the shards run this one (hiding the Ray round trip); 1 waits for each result
+    pipeline: int = Field(_default(RouterConfig, "pipeline"), ge=1, le=4)
     # replay decode/verify forwards from CUDA graphs, one per bucket and budget; None: on for
     # CUDA devices (a K2.6 rank step: 140-220 ms eager, 19-59 ms replayed; BENCHMARKS.md)
     cuda_graphs: bool | None = None
@@ -204,6 +207,7 @@ class ServeConfig(BaseModel):
             budgets=tuple(self._fixed_budgets()) or None,
             budget_candidates=self._candidates(),
             control=self.control,
+            pipeline=self.pipeline,
             shard_cpus=self.shard_cpus,
             placement_timeout_s=self.placement_timeout_s,
             warmup=self.warmup,

@@ -59,7 +59,7 @@ def config_from_args(args, api_key: str | None = None) -> dict:
     With an `api_key`, only the name of the variable that will hold it goes in."""
     names = ("model", "drafter", "tp", "max_streams", "budget", "buckets", "budgets",
              "num_slots", "max_queue", "dtype", "device", "served_model_name", "seed",
-             "batch_invariant", "warmup")  # fmt: skip
+             "batch_invariant", "warmup", "pipeline")  # fmt: skip
     cfg = {n: getattr(args, n, None) for n in names}
     cfg["speculative"] = not args.no_speculative
     if getattr(args, "cuda_graphs", None) is not None:

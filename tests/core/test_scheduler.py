@@ -3,6 +3,8 @@ is full, cancellation, finish handling and the decode step's budget. No model.""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from ddserve.engine.budget import BudgetTuner
@@ -20,7 +22,7 @@ class FakeExecutor:
     with a budget > 0), up to max_tokens."""
 
     def __init__(self, slots: int = 100) -> None:
-        self.free, self.streams, self.commands = slots, {}, []
+        self.free, self.streams, self.commands, self.skipped = slots, {}, [], []
 
     def __call__(self, cmd: Command) -> CommandResult:
         self.commands.append(cmd)
@@ -42,8 +44,11 @@ class FakeExecutor:
                 if st[2] == 0:
                     res.outputs[sid] = self._emit(sid, 1)
         per_step = 2 if cmd.speculative and cmd.budget > 0 else 1
-        for sid in cmd.step:
-            res.outputs[sid] = self._emit(sid, per_step)
+        for sid in cmd.step:  # as `apply_command`: a stream that has left is skipped
+            if sid in self.streams:
+                res.outputs[sid] = self._emit(sid, per_step)
+            else:
+                self.skipped.append(sid)
         for sid, out in res.outputs.items():
             if out.finished:
                 self._release(sid)
@@ -220,3 +225,36 @@ def test_no_prefill_is_planned_once_every_stream_has_its_first_token() -> None:
     sched.add(_req("a"))
     _step(sched, ex)
     assert sched.plan(step=False) is None
+
+
+@pytest.mark.parametrize("lag", [2, 3])
+def test_commands_planned_before_earlier_results_lose_nothing_and_emit_nothing_extra(lag) -> None:
+    """The Router keeps `lag` Commands in flight: each is planned before the results of the
+    ones ahead of it are applied (the executor runs them in order as they are sent). Streams
+    that finish in a result the next plan did not see are skipped by the executor; every
+    stream still gets exactly max_tokens, and a step counts only the streams it ran."""
+    sched, ex = _sched(max_streams=3), FakeExecutor(slots=40)
+    lengths = {"a": 2, "b": 7, "c": 4, "d": 5, "e": 3}
+    for sid in "abcd":  # d waits: at most 3 streams
+        sched.add(_req(sid, params=SamplingParams(max_tokens=lengths[sid])))
+    got: dict[str, int] = {}
+    finished: list[str] = []
+    inflight: deque = deque()
+    for it in range(100):
+        if it == 3:
+            sched.add(_req("e", params=SamplingParams(max_tokens=lengths["e"])))
+        while len(inflight) < lag and (cmd := sched.plan()) is not None:
+            inflight.append((cmd, ex(cmd)))  # sent: the executor runs it now
+        if not inflight:
+            break
+        cmd, res = inflight.popleft()
+        report = sched.apply(cmd, res)
+        for req, out in report.outputs:
+            assert req.sid not in finished  # nothing after a stream's last token
+            got[req.sid] = got.get(req.sid, 0) + len(out.tokens)
+            if out.finished:
+                finished.append(req.sid)
+        assert report.step_streams == sum(1 for s in cmd.step if s in res.outputs)
+    assert got == lengths and sorted(finished) == sorted(lengths)
+    assert not sched.busy and not ex.streams and ex.free == 40
+    assert ex.skipped  # some were planned past their last token, and skipped
