@@ -7,7 +7,8 @@ Router can send the next Command while the shards run this one (results come bac
 since every shard applies its Commands in order). Measured on the shared 2-core CI box with 2
 CPU shards: with a trivial `execute`, fan-out ~2 ms per round trip and compiled graph ~0.6 ms
 (from the Router's step thread); with the tiny model (tp=2 gloo, steps of 30-60 ms) the time
-outside the shards was 3.6-4.6 ms per step fanned out and 2.5-3.3 ms compiled. The compiled graph is the default.
+outside the shards was 3.6-4.6 ms per step fanned out and 2.5-3.3 ms compiled. The compiled
+graph is the default.
 """
 
 from __future__ import annotations
