@@ -52,6 +52,7 @@ from ddserve.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # an idle step loop sends every shard an empty command this often
+HEARTBEAT = Command()  # that command (not the Scheduler's: its result goes to no request)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +79,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_queue < 1:  # every request waits in the queue before it is admitted
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-        if self.pipeline < 1:
-            raise ValueError(f"pipeline must be >= 1, got {self.pipeline}")
+        if not 1 <= self.pipeline <= 8:  # a compiled graph holds at most 10 executions
+            raise ValueError(f"pipeline must be in [1, 8], got {self.pipeline}")
         engine = self.shard.engine
         check_batching(
             buckets=engine.graph_buckets, budget=engine.budget, num_slots=engine.num_slots,
@@ -308,15 +309,17 @@ class Router:
     def _step_loop(self) -> None:
         # Up to cfg.pipeline Commands are in flight: the next is planned and sent while the
         # shards run the current one, so the Ray round trip and this loop's own work overlap
-        # the shards' (a Command planned before the previous result is in names a stream that
-        # finished there; the shards skip it, `apply_command`). A Command's wall time is from
+        # the shards' (a Command planned before the previous result is in may name a stream that
+        # finished there; the shards skip it and keep the planned shape, `apply_command`; and
+        # it admits nobody while an unapplied one admits, `Scheduler.plan`). A Command's wall
+        # time is from
         # when the shards could start it (it was sent, and the previous result was in) to its
         # result: back to back, the interval between results.
         inflight: deque[tuple[Command, object, float]] = deque()
         last = time.perf_counter()
         while not self._stopping:
             try:
-                while len(inflight) < self.cfg.pipeline:
+                while len(inflight) < self.cfg.pipeline and not self._stopping:
                     cmd = self._next_command()
                     if cmd is None:
                         break
@@ -326,11 +329,13 @@ class Router:
                         self._s.wake.clear()
                         continue
                     # idle: an empty command finds a dead shard before a request does
-                    inflight.append((Command(), self._group.submit(Command()), time.perf_counter()))
+                    handle = self._group.submit(HEARTBEAT)
+                    inflight.append((HEARTBEAT, handle, time.perf_counter()))
                 cmd, handle, sent = inflight.popleft()
                 res = self._group.result(handle)
             except Exception as e:  # noqa: BLE001 - any shard failure is fatal to the replica
-                self._fail(e)
+                if not self._stopping:  # shutdown tears the group down under the loop
+                    self._fail(e)
                 return
             now = time.perf_counter()
             self._apply(cmd, res, now - max(sent, last))
@@ -341,6 +346,9 @@ class Router:
             return self._s.sched.plan()
 
     def _apply(self, cmd: Command, res: CommandResult, wall_s: float) -> None:
+        if cmd is HEARTBEAT:
+            self._kv_used = res.kv_slots_used
+            return
         with self._s.lock:  # deferred streams move from active back to the queue at once
             report: StepReport = self._s.sched.apply(cmd, res)
         items: list[tuple[Request, TokenDelta | Exception]] = [

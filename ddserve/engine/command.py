@@ -30,7 +30,9 @@ class Command:
     (None: every pending prompt to its end); `step` lists prefilled streams for one decode step:
     `speculative` picks ddtree_step over ar_step; `bucket`/`budget` are the padded batch size
     and its tree budget (0: the empty tree, a plain step, which the budget tuner picks where
-    drafting does not pay)."""
+    drafting does not pay). `planned_ahead`: planned before the results of earlier Commands
+    were in (the Router keeps several in flight), so a `step` stream may have finished in one
+    of them: the executor skips it and keeps the planned bucket's shape."""
 
     cancel: tuple[Hashable, ...] = ()
     add: tuple[tuple[Hashable, list[int], SamplingParams], ...] = ()
@@ -40,6 +42,7 @@ class Command:
     bucket: int = 0
     budget: int = 0
     prefill_chunks: int | None = 1
+    planned_ahead: bool = False
 
 
 @dataclass
@@ -54,8 +57,9 @@ class CommandResult:
 
 
 def apply_command(runner: ModelRunner, cmd: Command) -> CommandResult:
-    """Apply `cmd` to this rank's runner. `cmd.step` streams the runner no longer holds are
-    skipped (they finished in an earlier Command). A stream that does not fit in the KV slots
+    """Apply `cmd` to this rank's runner. In a Command `planned_ahead`, `step` streams the
+    runner no longer holds (they finished in an earlier Command) are skipped, and the step keeps
+    the planned bucket's graph. A stream that does not fit in the KV slots
     left is deferred, with every later one in `add` (arrival order is kept); one that does not
     fit in an empty engine, or that the runner refuses (ValueError), is rejected."""
     t0 = time.perf_counter()
@@ -76,15 +80,16 @@ def apply_command(runner: ModelRunner, cmd: Command) -> CommandResult:
             res.rejected[sid] = str(e)
     if cmd.prefill:
         res.outputs.update(runner.prefill(max_chunks=cmd.prefill_chunks))
-    # a stream that finished (and left the runner) in a Command planned before this one's
-    # planner saw that result (the Router keeps two in flight) is skipped
-    step = [sid for sid in cmd.step if sid in runner.streams]
+    step = list(cmd.step)
+    if cmd.planned_ahead:  # streams that finished in an earlier Command: padding rows instead
+        step = [sid for sid in step if sid in runner.streams]
+    pad = cmd.bucket if len(step) < len(cmd.step) else 0  # the planned shape, already captured
     if step:
         t1 = time.perf_counter()
         if cmd.speculative:
-            res.outputs.update(runner.ddtree_step(step, cmd.budget))  # 0: plain step
+            res.outputs.update(runner.ddtree_step(step, cmd.budget, pad))  # 0: plain step
         else:
-            res.outputs.update(runner.ar_step(step))
+            res.outputs.update(runner.ar_step(step, pad))
         res.step_s = time.perf_counter() - t1
     res.kv_slots_used = runner.cfg.num_slots - runner.free_slots
     res.busy_s = time.perf_counter() - t0

@@ -258,16 +258,17 @@ class GraphedForward:
             self.close()
         self._table = table
 
-    def run(self, ids, pos, rows, prefix_lens, block_slots, mask, q: int, table, tag=()):
+    def run(self, ids, pos, rows, prefix_lens, block_slots, mask, q: int, table, tag=(), pad_to=0):
         """The forward over the first n = len(prefix_lens) blocks of q rows by graph replay, or
         None when the shape is not graphable. Host ints: ids, pos and block_slots [n * q], rows
         (each block's slot-table row) and prefix_lens [n]; `mask` [n, q, q] (read when q > 1).
         `tag`: what else the captured forward depends on (the runner's captured layers, which
-        follow its drafter); part of the graph's key. Returns (the model output cut to n * q
+        follow its drafter); part of the graph's key. `pad_to`: the graph of at least this many
+        blocks (the rest are padding). Returns (the model output cut to n * q
         rows, the greedy token at each of them); the logits and tokens are the graph's static
         tensors, valid until its next replay."""
         n = len(prefix_lens)
-        b = self._bucket(n, q)
+        b = self._bucket(max(n, pad_to), q)
         if b is None:
             return None
         self._use_table(table)
@@ -285,19 +286,19 @@ class GraphedForward:
 
     def run_verify(
         self, draft, draft_rows, drafter, bonus, rows, prefix_lens, block_slots, budget: int,
-        table, tag=(), commit: bool = False,
+        table, tag=(), commit: bool = False, pad_to: int = 0,
     ) -> tuple[VerifyResult, bool] | None:  # fmt: skip
         """`verify_step` with greedy token choice over the first n = len(prefix_lens) blocks, by
         replaying one graph, the draft inside it (`drafter.draft_rows` from the host ints
         `draft_rows`) when `draft` is None; None when the shape is not graphable. Host ints:
         bonus, rows (slot-table rows), prefix_lens [n] and block_slots [n * (budget + 1)]; `tag`
-        as in `run`. `commit` (a greedy batch): the captured drafter also commits each block's
-        accepted rows (`Drafter.step_commits`). Returns the result, whose tensors are the
-        graph's static outputs (valid until its next replay) cut to n blocks, and whether the
-        drafter committed; sampled batches redo the choice from its logits
+        and `pad_to` as in `run`. `commit` (a greedy batch): the captured drafter also commits
+        each block's accepted rows (`Drafter.step_commits`). Returns the result, whose tensors
+        are the graph's static outputs (valid until its next replay) cut to n blocks, and
+        whether the drafter committed; sampled batches redo the choice from its logits
         (`ddtree.reselect`) and commit after it."""
         n = len(prefix_lens)
-        b = self._bucket(n, budget + 1)
+        b = self._bucket(max(n, pad_to), budget + 1)
         if b is None:
             return None
         self._use_table(table)

@@ -224,12 +224,14 @@ class ModelRunner:
         if not written:
             self.slot_table.append(items)
 
-    def _decode_forward(self, sts: list[Stream], q: int, new: list[list[int]], mask, ids, pos):
+    def _decode_forward(
+        self, sts: list[Stream], q: int, new: list[list[int]], mask, ids, pos, pad_to: int = 0
+    ):
         """The forward over q new rows per stream (AR: q = 1; `mask` [B, q, q] the rows'
-        visibility within a block), by graph replay when enabled and the shape fits, else
-        eagerly: (model output, the greedy token of each row, or None when eager). ids and pos
-        [B * q]: host ints (the graph takes them in its one input copy) or tensors. `mask` may
-        be None when q = 1 (a one-row block sees itself)."""
+        visibility within a block), by graph replay when enabled and the shape fits (the graph
+        of at least `pad_to` blocks), else eagerly: (model output, the greedy token of each row,
+        or None when eager). ids and pos [B * q]: host ints (the graph takes them in its one
+        input copy) or tensors. `mask` may be None when q = 1 (a one-row block sees itself)."""
         if mask is None and q != 1:
             raise ValueError(f"a block of {q} rows needs its visibility mask")
         as_list = lambda x: x.tolist() if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -237,7 +239,7 @@ class ModelRunner:
             res = self._graphs.run(
                 as_list(ids), as_list(pos), self.slot_table.rows([st.sid for st in sts]),
                 [len(st.slots) for st in sts], [s for block in new for s in block], mask, q,
-                self.slot_table.table, tag=self.capture,
+                self.slot_table.table, tag=self.capture, pad_to=pad_to,
             )  # fmt: skip
             if res is not None:
                 self.target_forwards += 1
@@ -247,7 +249,9 @@ class ModelRunner:
             mask = torch.ones(len(sts), 1, 1, dtype=torch.bool)
         return self._forward(ids, pos, self._meta(sts, [q] * len(sts), new, mask)), None
 
-    def _verify(self, sts: list[Stream], draft, rows, bonus: list[int], blocks, n: int):
+    def _verify(
+        self, sts: list[Stream], draft, rows, bonus: list[int], blocks, n: int, pad_to: int = 0
+    ):
         """`verify_step` for these streams (their budget-n trees in `blocks`' slots) from the
         drafter's logits `draft`, or, when it is None, from its state `rows` (host ints; the
         draft then runs in the same graph): one graph replay when graphs are on and the shape
@@ -261,7 +265,7 @@ class ModelRunner:
             out = self._graphs.run_verify(
                 draft, rows, self.drafter, bonus, self.slot_table.rows([st.sid for st in sts]),
                 lens, [s for b in blocks for s in b], n, self.slot_table.table, self.capture,
-                commit=greedy,
+                commit=greedy, pad_to=pad_to,
             )  # fmt: skip
             if out is not None:
                 res, committed = out
@@ -408,14 +412,16 @@ class ModelRunner:
 
     # ---- decode ----------------------------------------------------------------------------
     @torch.no_grad()
-    def ar_step(self, sids: list[Hashable]) -> dict[Hashable, StepOutput]:
-        """One target token per stream (q_len 1), through the same model and sampler."""
+    def ar_step(self, sids: list[Hashable], pad_to: int = 0) -> dict[Hashable, StepOutput]:
+        """One target token per stream (q_len 1), through the same model and sampler. `pad_to`:
+        replay the graph of at least this many streams (the shape a caller planned for more
+        streams than it runs; padding rows cost compute, not a new capture)."""
         sts = self._active(sids)
         new = self._alloc_scratch([1] * len(sts))
         with self._free_on_error(new):
             ids = [st.output[-1] for st in sts]
             pos = [len(st.slots) for st in sts]
-            out, greedy = self._decode_forward(sts, 1, new, None, ids, pos)
+            out, greedy = self._decode_forward(sts, 1, new, None, ids, pos, pad_to)
             # The new slots' table write, queued behind the forward, which reads no table entry
             # at these positions: its host work overlaps the device's. A failed step leaves
             # entries past the streams' lengths, which nothing reads.
@@ -437,7 +443,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def ddtree_step(
-        self, sids: list[Hashable], budget: int | None = None
+        self, sids: list[Hashable], budget: int | None = None, pad_to: int = 0
     ) -> dict[Hashable, StepOutput]:
         """Draft -> build -> verify (one forward over every stream's budget+1 nodes) -> accept
         -> commit (keep the root's and accepted nodes' slots, free the rest).
@@ -445,14 +451,14 @@ class ModelRunner:
         `budget` (default: the engine's) lets the caller pick a tree size per batch bucket; it
         may not exceed the engine's budget, which admission reserved slots for. Budget 0 is the
         empty tree: verify the root alone, i.e. a plain `ar_step` (no draft), which the budget
-        tuner picks where drafting does not pay."""
+        tuner picks where drafting does not pay. `pad_to` as in `ar_step`."""
         if self.drafter is None:
             raise RuntimeError("ddtree_step needs a drafter")
         n = self.cfg.budget if budget is None else budget
         if not 0 <= n <= self.cfg.budget:
             raise ValueError(f"budget must be in [0, {self.cfg.budget}], got {n}")
         if n == 0:
-            return self.ar_step(sids)
+            return self.ar_step(sids, pad_to)
         sts = self._active(sids)
         bonus = [st.output[-1] for st in sts]
         rows = self.drafter.state_rows(list(sids)) if self._graphs is not None else None
@@ -462,7 +468,7 @@ class ModelRunner:
             draft = None
         blocks = self._alloc_scratch([n + 1] * len(sts))
         with self._free_on_error(blocks):
-            packed_t, hidden, in_step = self._verify(sts, draft, rows, bonus, blocks, n)
+            packed_t, hidden, in_step = self._verify(sts, draft, rows, bonus, blocks, n, pad_to)
             try:
                 packed = packed_t.tolist()  # the step's one D2H copy
                 width = (len(packed[0]) - 1) // 2

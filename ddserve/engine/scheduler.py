@@ -70,17 +70,20 @@ class BudgetPolicy:
         return bucket, budget
 
     def record(self, streams: list[Request], cmd: Command, res: CommandResult) -> None:
+        """The step of `cmd` over `streams` (those it ran: fewer than `cmd.step` when some had
+        finished in a result the plan did not see), under the batch size it was chosen for."""
         if not cmd.speculative or not self._tuned(streams):
             return
         outs = [res.outputs[r.sid] for r in streams if r.sid in res.outputs]
         per_stream = sum(len(o.tokens) for o in outs) / len(streams)
+        n = len(cmd.step)
         if self.depth is None:
-            self.tuner.record(len(streams), cmd.budget, per_stream, res.step_s)
+            self.tuner.record(n, cmd.budget, per_stream, res.step_s)
             return
         tokens_at = tokens_at_budgets(outs, cmd.budget, self.tuner.candidates)
         full = min(cmd.budget, self.depth)  # the deepest node a budget-b tree has
         saturated = cmd.budget > 0 and any(len(o.accepted_rows) >= full for o in outs)
-        self.tuner.record(len(streams), cmd.budget, per_stream, res.step_s, tokens_at, saturated)
+        self.tuner.record(n, cmd.budget, per_stream, res.step_s, tokens_at, saturated)
 
     def _tuned(self, streams: list[Request]) -> bool:
         if self.tuner is None:
@@ -114,6 +117,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.active: dict[Hashable, Request] = {}  # admitted, in admission order
         self._aborted: set[Hashable] = set()
+        # Commands planned and not yet applied, and those of them that admit streams (the
+        # Router keeps several in flight; the LLM applies each before the next plan)
+        self._unapplied = 0
+        self._adds_unapplied = 0
 
     @property
     def held(self) -> int:
@@ -138,18 +145,22 @@ class Scheduler:
         self.active.clear()
         self.waiting.clear()
         self._aborted.clear()
+        self._unapplied = self._adds_unapplied = 0
         return doomed
 
     def plan(self, admit: bool = True, prefill: bool = True, step: bool = True) -> Command | None:
         """The next Command (None: nothing to do). Aborts always apply; `admit`, `prefill`,
         `step` pick the iteration's other parts (the Router plans all in one Command; the LLM
-        plans admission, then prefill, then a step over the streams that prefill started)."""
+        plans admission, then prefill, then a step over the streams that prefill started).
+        Planned while an earlier Command is unapplied, the Command is `planned_ahead`, and it
+        admits nobody while an unapplied one admits: a stream that one defers (out of KV slots)
+        goes back to the front of the queue, ahead of every later arrival."""
         aborted, self._aborted = self._aborted, set()
         if aborted:
             self.waiting = deque(r for r in self.waiting if r.sid not in aborted)
         cancel = [sid for sid in aborted if self.active.pop(sid, None) is not None]
         add: list[Request] = []
-        if admit:  # cancels run before admissions: their room counts
+        if admit and not self._adds_unapplied:  # cancels run before admissions: their room counts
             room = self.max_streams - len(self.active)
             add = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         started = [r for r in self.active.values() if r.started]
@@ -159,6 +170,9 @@ class Scheduler:
         if not (cancel or add or pending or stepping):
             return None
         bucket, budget = self.policy.choose(stepping) if stepping else self.policy.bucket(1)
+        ahead = self._unapplied > 0
+        self._unapplied += 1
+        self._adds_unapplied += bool(add)
         return Command(
             cancel=tuple(cancel),
             add=tuple((r.sid, r.prompt, r.params) for r in add),
@@ -168,6 +182,7 @@ class Scheduler:
             bucket=bucket,
             budget=budget,
             prefill_chunks=self.prefill_chunks,
+            planned_ahead=ahead,
         )
 
     def apply(self, cmd: Command, res: CommandResult) -> StepReport:
@@ -175,15 +190,16 @@ class Scheduler:
         front of the queue (in arrival order), outputs mark streams started and finished ones
         leave; a decode step is recorded to the budget policy."""
         report = StepReport()
+        self._unapplied -= 1
+        self._adds_unapplied -= bool(cmd.add)
         for sid, reason in res.rejected.items():
             if (req := self.active.pop(sid, None)) is not None:
                 report.rejected.append((req, reason))
         back = [r for sid in res.deferred if (r := self.active.pop(sid, None)) is not None]
         self.waiting.extendleft(reversed(back))
         report.deferred = len(res.deferred)
-        # the streams the step ran: a stream that finished in a result this Command was planned
-        # before has no output (the executor skipped it)
-        stepped = [self.active[s] for s in cmd.step if s in self.active and s in res.outputs]
+        # the streams the step ran (one that finished in an earlier result has left `active`)
+        stepped = [self.active[sid] for sid in cmd.step if sid in self.active]
         for sid, out in res.outputs.items():
             req = self.active.get(sid)
             if req is None:

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from ddserve.engine.budget import BudgetTuner
-from ddserve.engine.command import Command, CommandResult
+from ddserve.engine.command import Command, CommandResult, apply_command
 from ddserve.engine.scheduler import BudgetPolicy, Request, Scheduler, run_until_done
 from ddserve.engine.stream import StepOutput
 from ddserve.sampling import SamplingParams
@@ -44,11 +44,13 @@ class FakeExecutor:
                 if st[2] == 0:
                     res.outputs[sid] = self._emit(sid, 1)
         per_step = 2 if cmd.speculative and cmd.budget > 0 else 1
-        for sid in cmd.step:  # as `apply_command`: a stream that has left is skipped
+        for sid in cmd.step:  # as `apply_command`: one that has left is skipped if planned ahead
             if sid in self.streams:
                 res.outputs[sid] = self._emit(sid, per_step)
-            else:
+            elif cmd.planned_ahead:
                 self.skipped.append(sid)
+            else:
+                raise KeyError(sid)
         for sid, out in res.outputs.items():
             if out.finished:
                 self._release(sid)
@@ -258,3 +260,72 @@ def test_commands_planned_before_earlier_results_lose_nothing_and_emit_nothing_e
     assert got == lengths and sorted(finished) == sorted(lengths)
     assert not sched.busy and not ex.streams and ex.free == 40
     assert ex.skipped  # some were planned past their last token, and skipped
+
+
+def test_a_command_planned_before_the_last_result_is_marked_planned_ahead() -> None:
+    sched, ex = _sched(), FakeExecutor()
+    sched.add(_req("a", params=SamplingParams(max_tokens=10)))
+    first = sched.plan()
+    second = sched.plan()
+    assert not first.planned_ahead and second.planned_ahead
+    sched.apply(first, ex(first))
+    sched.apply(second, ex(second))
+    assert not sched.plan().planned_ahead  # everything planned was applied
+
+
+def test_a_deferred_stream_is_admitted_before_later_arrivals_with_commands_in_flight() -> None:
+    """Out of KV slots, x is deferred by the Command that admits it; the Command planned while
+    that one is in flight admits nobody, so y (arrived later) cannot take the slots first."""
+    sched, ex = _sched(max_streams=3), FakeExecutor(slots=25)
+    sched.add(_req("a", prompt_len=15, params=SamplingParams(max_tokens=2)))
+    sched.add(_req("x", prompt_len=15))
+    first = sched.plan()  # admits a and x; x will not fit while a holds 15 of 25 slots
+    sched.add(_req("y", prompt_len=5))
+    second = sched.plan()  # planned ahead of first's result
+    assert [s for s, _, _ in first.add] == ["a", "x"] and not second.add
+    order: list[str] = []
+    inflight = [(first, ex(first)), (second, ex(second))]
+    while inflight:
+        cmd, res = inflight.pop(0)
+        order += res.admitted
+        sched.apply(cmd, res)
+        if (nxt := sched.plan()) is not None:
+            inflight.append((nxt, ex(nxt)))
+    assert order == ["a", "x", "y"]
+
+
+class _Runner:
+    """What `apply_command` reads of a ModelRunner, recording each decode step's arguments."""
+
+    def __init__(self, streams) -> None:
+        self.streams = dict.fromkeys(streams)
+        self.cfg, self.free_slots, self.steps = type("Cfg", (), {"num_slots": 100}), 100, []
+
+    def prefill(self, max_chunks=None):
+        return {}
+
+    def ddtree_step(self, sids, budget, pad_to=0):
+        self.steps.append(("ddtree", sids, budget, pad_to))
+        return self._out(sids)
+
+    def ar_step(self, sids, pad_to=0):
+        self.steps.append(("ar", sids, pad_to))
+        return self._out(sids)
+
+    def _out(self, sids):
+        for s in sids:  # as `ModelRunner._active`: stepping a stream it does not hold fails
+            if s not in self.streams:
+                raise KeyError(s)
+        return {s: StepOutput([1], None) for s in sids}
+
+
+def test_apply_command_skips_finished_streams_only_when_planned_ahead_keeping_the_bucket() -> None:
+    runner = _Runner(["a", "c"])  # "b" finished in an earlier Command
+    plan = dict(step=("a", "b", "c"), speculative=True, bucket=4, budget=6)
+    res = apply_command(runner, Command(**plan, planned_ahead=True))
+    assert runner.steps == [("ddtree", ["a", "c"], 6, 4)]  # padded to the planned bucket
+    assert set(res.outputs) == {"a", "c"}
+    apply_command(runner, Command(step=("a", "c"), bucket=2, planned_ahead=True))
+    assert runner.steps[-1] == ("ar", ["a", "c"], 0)  # nothing skipped: its own bucket
+    with pytest.raises(KeyError):  # not planned ahead: a missing stream is a bug, not skipped
+        apply_command(runner, Command(**plan))
