@@ -283,3 +283,33 @@ def test_graphs_are_captured_again_when_the_slot_table_grows(model_dir, speculat
         step()
     assert [out[i] for i in range(len(PROMPTS))] == [r[:10] for r in ref]
     runner.close()
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_step_padded_to_a_larger_bucket_gives_the_same_tokens_from_that_bucket(
+    model_dir, speculative
+) -> None:
+    """`pad_to` (a Command planned for more streams than it runs): the step replays the larger
+    bucket's graph, padding rows included, and gives each stream the tokens the unpadded step
+    gives (batch-invariant kernels)."""
+    outs, keys = [], []
+    for pad in (0, 4):
+        cfg = EngineConfig(num_slots=4096, budget=8, dtype="bfloat16", cuda_graphs=True,
+                           graph_buckets=(1, 2, 4))  # fmt: skip
+        runner = ModelRunner(
+            model_dir, engine_cfg=cfg, drafter=model_dir / "drafter", device="cuda"
+        )
+        for i, p in enumerate(PROMPTS[:2]):
+            runner.add_stream(i, p, SamplingParams(max_tokens=12))
+        toks = {i: list(o.tokens) for i, o in runner.prefill().items()}
+        while runner.streams:
+            sids = list(runner.streams)
+            step = runner.ddtree_step(sids, None, pad) if speculative else runner.ar_step(sids, pad)
+            for i, o in step.items():
+                toks[i] += o.tokens
+        g = runner._graphs
+        keys.append({k[0] for k in (g._verify if speculative else g._graphs)})
+        outs.append(toks)
+        runner.close()
+    assert outs[1] == outs[0]
+    assert keys[0] <= {1, 2} and keys[1] == {4}
