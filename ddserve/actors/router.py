@@ -20,12 +20,11 @@ step over the prefilled streams); the Scheduler takes rank 0's result, and the s
 go, in one hand-off to the actor's event loop, to the outbox of each request's subscriber. Up to
 `pipeline` Commands are in flight (default 2): the next one is planned and sent while the shards
 run the current one, which hides the Ray round trip and the loop's own work behind the step at
-the cost of a wasted batch row, for one step, per finished stream and of one step more before a
-new request's prefill; idle,
-it sends an empty command every HEARTBEAT_S, so a dead shard is found without traffic. A failing
-shard marks the router dead: in-flight and queued requests fail with EngineDead at once, and so
-does every later request; `wait_failed` returns then (the replica's supervisor waits on it to
-rebuild the tensor-parallel group, supervisor.py).
+the cost of a padding row, for one step, per finished stream and of up to one step more before
+a new request's prefill. Idle, it sends an empty command every HEARTBEAT_S, so a dead shard is
+found without traffic. A failing shard marks the router dead: in-flight and queued requests fail
+with EngineDead at once, and so does every later request; `wait_failed` returns then (the
+replica's supervisor waits on it to rebuild the tensor-parallel group, supervisor.py).
 """
 
 from __future__ import annotations
@@ -309,12 +308,11 @@ class Router:
     def _step_loop(self) -> None:
         # Up to cfg.pipeline Commands are in flight: the next is planned and sent while the
         # shards run the current one, so the Ray round trip and this loop's own work overlap
-        # the shards' (a Command planned before the previous result is in may name a stream that
-        # finished there; the shards skip it and keep the planned shape, `apply_command`; and
-        # it admits nobody while an unapplied one admits, `Scheduler.plan`). A Command's wall
-        # time is from
-        # when the shards could start it (it was sent, and the previous result was in) to its
-        # result: back to back, the interval between results.
+        # the shards' (a Command planned before the previous result is in may name a stream
+        # that finished there; the shards skip it and keep the planned shape, `apply_command`;
+        # and it admits nobody while an unapplied one admits, `Scheduler.plan`). A Command's
+        # wall time is from when the shards could start it (it was sent, and the previous
+        # result was in) to its result: back to back, the interval between results.
         inflight: deque[tuple[Command, object, float]] = deque()
         last = time.perf_counter()
         while not self._stopping:

@@ -199,7 +199,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(back))
         report.deferred = len(res.deferred)
         # the streams the step ran (one that finished in an earlier result has left `active`)
-        stepped = [self.active[sid] for sid in cmd.step if sid in self.active]
+        stepped = [self.active[s] for s in cmd.step if s in self.active and s in res.outputs]
         for sid, out in res.outputs.items():
             req = self.active.get(sid)
             if req is None:
