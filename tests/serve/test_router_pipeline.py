@@ -24,6 +24,7 @@ from ddserve.engine.command import Command, CommandResult, apply_command
 from ddserve.engine.config import EngineConfig
 from ddserve.engine.runner import ModelRunner
 from ddserve.sampling import SamplingParams
+from tests.engine_helpers import greedy_reference
 
 ENGINE = EngineConfig(num_slots=400, budget=4, prefill_chunk=16, dtype="float32", max_streams=3)
 LENGTHS = [3, 11, 6, 8]  # max_tokens of the four requests; request 3 arrives mid-run
@@ -36,23 +37,6 @@ def drafter_dir(tiny_int4_model_dir, tmp_path_factory):
 
     cfg = ModelConfig.from_hf(tiny_int4_model_dir / "config.json")
     return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), cfg, block_size=5)
-
-
-@pytest.fixture(scope="module")
-def greedy(tiny_int4_model_dir):
-    torch.set_num_threads(1)
-    runner = ModelRunner(tiny_int4_model_dir, engine_cfg=ENGINE, device="cpu")
-
-    def run(i: int, ids: list[int], n: int) -> list[int]:
-        runner.add_stream(i, ids, SamplingParams(max_tokens=n, ignore_eos=True))
-        out = runner.prefill()[i]
-        toks = list(out.tokens)
-        while out.finished is None:
-            out = runner.ar_step([i])[i]
-            toks += out.tokens
-        return toks
-
-    return run
 
 
 class ThreadedShard(ShardGroup):
@@ -128,7 +112,7 @@ async def _serve(router: Router, shard: ThreadedShard) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_commands_in_flight_keep_every_stream_exact(
-    tiny_int4_model_dir, drafter_dir, greedy, pipeline
+    tiny_int4_model_dir, drafter_dir, pipeline
 ) -> None:
     torch.set_num_threads(1)
     runner = ModelRunner(tiny_int4_model_dir, engine_cfg=ENGINE, drafter=drafter_dir, device="cpu")
@@ -140,7 +124,7 @@ def test_commands_in_flight_keep_every_stream_exact(
     shard.close()
     assert shard.most_in_flight == pipeline  # 2: the next step was sent while one ran
     for i, n in enumerate(LENGTHS):
-        want = greedy(100 + i, _prompt(i), n)
+        want = greedy_reference(tiny_int4_model_dir, [_prompt(i)], n, ignore_eos=True)[0]
         if i == 2:
             assert reasons[i] == "aborted" and toks[i] == want[: len(toks[i])]
         else:
